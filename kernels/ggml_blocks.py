@@ -1,0 +1,55 @@
+"""Scalar readers shared by the ggml block decoders (Numba, inlined).
+
+Numba has no float16 type, so half floats are decoded from their bits here, once, for every format.
+"""
+
+import numba
+import numpy as np
+
+
+@numba.njit(inline="always", nogil=True)
+def u16(src, off):
+    """Little-endian uint16 at byte offset `off`."""
+    return np.uint32(src[off]) | (np.uint32(src[off + 1]) << 8)
+
+
+@numba.njit(inline="always", nogil=True)
+def u32(src, off):
+    """Little-endian uint32 at byte offset `off`."""
+    return (np.uint32(src[off]) | (np.uint32(src[off + 1]) << 8)
+            | (np.uint32(src[off + 2]) << 16) | (np.uint32(src[off + 3]) << 24))
+
+
+@numba.njit(inline="always", nogil=True)
+def half_to_float(h):
+    """IEEE half (given as its 16 bits) to float32, exactly."""
+    sign = np.float32(-1.0) if h & 0x8000 else np.float32(1.0)
+    exp = (h >> 10) & 0x1F
+    mant = h & 0x3FF
+    if exp == 0:  # zero or subnormal: mant * 2^-24
+        return sign * np.float32(mant) * np.float32(5.960464477539063e-08)
+    if exp == 31:
+        return sign * np.float32(np.inf) if mant == 0 else np.float32(np.nan)
+    bits = np.uint32(((h & 0x8000) << 16) | ((exp + 112) << 23) | (mant << 13))
+    return np.array([bits], dtype=np.uint32).view(np.float32)[0]
+
+
+@numba.njit(inline="always", nogil=True)
+def f16(src, off):
+    """fp16 value stored little-endian at byte offset `off` of a uint8 array."""
+    return half_to_float(u16(src, off))
+
+
+@numba.njit(inline="always", nogil=True)
+def round_to_half(x):
+    """float32 -> nearest fp16 value (ties to even), returned as float32: ggml's FP32_TO_FP16."""
+    ax = abs(x)
+    if ax < np.float32(6.103515625e-05):  # fp16 subnormal range: a multiple of 2^-24
+        return np.float32(np.rint(x * np.float32(16777216.0)) * np.float32(5.960464477539063e-08))
+    if ax >= np.float32(65520.0):
+        return np.float32(np.inf) if x > 0 else np.float32(-np.inf)
+    bits = np.array([x], dtype=np.float32).view(np.uint32)
+    b = bits[0]
+    b = (b + np.uint32(0xFFF) + ((b >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
+    bits[0] = b
+    return bits.view(np.float32)[0]

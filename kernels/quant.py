@@ -1,0 +1,217 @@
+"""Quantized matrix products computed straight from ggml blocks.
+
+Every ggml format registers one Numba function, ``dequant_row(src, dst)``, that decodes one
+row of blocks (``src``: the row's bytes, ``dst``: its float32 values).  From it this module
+builds, per format, a parallel matrix-vector kernel (decode) and a tiled matrix-matrix path
+(prefill: a tile of rows is decoded into a small float32 buffer and multiplied with BLAS),
+so no call ever dequantizes a whole matrix.
+
+``act_quant=True`` rounds the activations the way ggml does before its integer dot products
+(per 32 values to Q8_0, or per 256 values to Q8_K for the k-quant and i-quant families):
+the numerics of ggml's quantized-activation path, so results can be compared with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numba
+import numpy as np
+
+from .ggml_blocks import round_to_half
+
+# Rows decoded per tile in matmul: big enough for BLAS to be efficient, small enough that
+# the float32 tile (rows x k) stays in cache-sized territory.
+_MATMUL_TILE_ROWS = 128
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    ggml_type: int
+    name: str
+    block_elems: int
+    block_bytes: int
+    dequant_row: Callable  # numba njit (src: uint8[::1], dst: float32[::1]) -> None
+    act_block: int  # activation block for act_quant (32 = Q8_0, 256 = Q8_K, 0 = float activations)
+
+
+_FORMATS: dict[int, QuantFormat] = {}
+# Compiled kernels per ggml type, built lazily on first use (Numba compiles on first call).
+_MATVEC: dict[int, Callable] = {}
+_DEQUANT_ROWS: dict[int, Callable] = {}
+
+
+def register_type(ggml_type: int, name: str, block_elems: int, block_bytes: int,
+                  dequant_row: Callable, act_block: int) -> None:
+    """Make a ggml format available to dequantize/matvec/matmul."""
+    if ggml_type in _FORMATS:
+        raise ValueError(f"ggml type {ggml_type} ({name}) is registered twice")
+    _FORMATS[ggml_type] = QuantFormat(ggml_type, name, block_elems, block_bytes, dequant_row, act_block)
+
+
+def _format(ggml_type: int) -> QuantFormat:
+    fmt = _FORMATS.get(int(ggml_type))
+    if fmt is None:
+        known = ", ".join(f.name for f in sorted(_FORMATS.values(), key=lambda f: f.ggml_type))
+        raise NotImplementedError(f"ggml tensor type {ggml_type} has no kernel; supported: {known}")
+    return fmt
+
+
+def supported_types() -> list[int]:
+    return sorted(_FORMATS)
+
+
+def block_size(ggml_type: int) -> tuple[int, int]:
+    """(weights per block, bytes per block) of a ggml type."""
+    fmt = _format(ggml_type)
+    return fmt.block_elems, fmt.block_bytes
+
+
+def row_bytes(ggml_type: int, row_len: int) -> int:
+    fmt = _format(ggml_type)
+    if row_len % fmt.block_elems:
+        raise ValueError(f"{fmt.name} rows must hold a multiple of {fmt.block_elems} values, got {row_len}")
+    return row_len // fmt.block_elems * fmt.block_bytes
+
+
+def _make_dequant_rows(dequant_row: Callable) -> Callable:
+    @numba.njit(parallel=True, nogil=True)
+    def dequant_rows(w, out):
+        for r in numba.prange(w.shape[0]):
+            dequant_row(w[r], out[r])
+    return dequant_rows
+
+
+def _make_matvec(dequant_row: Callable) -> Callable:
+    @numba.njit(parallel=True, nogil=True)
+    def matvec(w, x, out):
+        k = x.shape[0]
+        n_rows = w.shape[0]
+        # One float32 scratch row per chunk of rows: prange bodies cannot share a buffer.
+        n_chunks = min(n_rows, 64)
+        per = (n_rows + n_chunks - 1) // n_chunks
+        for c in numba.prange(n_chunks):
+            buf = np.empty(k, np.float32)
+            for r in range(c * per, min(n_rows, (c + 1) * per)):
+                dequant_row(w[r], buf)
+                acc = 0.0  # float64 accumulation: the reference of record is float64
+                for i in range(k):
+                    acc += buf[i] * x[i]
+                out[r] = acc
+    return matvec
+
+
+def _kernel(cache: dict, factory: Callable, ggml_type: int) -> Callable:
+    fn = cache.get(ggml_type)
+    if fn is None:
+        fn = cache[ggml_type] = factory(_format(ggml_type).dequant_row)
+    return fn
+
+
+def _check_weights(w: np.ndarray, fmt: QuantFormat, k: int) -> None:
+    if w.dtype != np.uint8 or w.ndim != 2:
+        raise ValueError(f"{fmt.name} weights must be a 2-D uint8 array of row bytes, got {w.dtype} {w.shape}")
+    if k % fmt.block_elems:
+        raise ValueError(f"{fmt.name} rows must hold a multiple of {fmt.block_elems} values, got {k}")
+    if w.shape[1] != k // fmt.block_elems * fmt.block_bytes:
+        raise ValueError(f"{fmt.name} weights have {w.shape[1]} bytes per row; {k} inputs need "
+                         f"{k // fmt.block_elems * fmt.block_bytes}")
+    if w.strides[1] != 1:
+        raise ValueError("weight rows must be contiguous")
+
+
+def dequantize(data: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:
+    """Decode a whole tensor to float32 (for tests, small tensors and load-time conversion)."""
+    fmt = _format(ggml_type)
+    shape = tuple(int(s) for s in shape)
+    k = shape[-1]
+    n_rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
+    w = np.ascontiguousarray(data).reshape(-1).view(np.uint8).reshape(n_rows, -1)
+    _check_weights(w, fmt, k)
+    out = np.empty((n_rows, k), np.float32)
+    _kernel(_DEQUANT_ROWS, _make_dequant_rows, ggml_type)(w, out)
+    return out.reshape(shape)
+
+
+@numba.njit(nogil=True, cache=True)
+def _round_q8(x: np.ndarray, block: int) -> np.ndarray:
+    """ggml's activation quantization (Q8_0 per 32 / Q8_K per 256), returned dequantized."""
+    out = np.empty_like(x)
+    for b0 in range(0, x.shape[0], block):
+        amax = np.float32(0.0)
+        vmax = np.float32(0.0)  # the value of largest magnitude, sign kept (Q8_K scales by it)
+        for i in range(b0, b0 + block):
+            if abs(x[i]) > amax:
+                amax = abs(x[i])
+                vmax = x[i]
+        if amax == 0:
+            out[b0:b0 + block] = 0.0
+        elif block == 32:
+            # Q8_0: d = amax/127 kept as fp16; q = roundf(x/d) with the unrounded d (ggml's order)
+            d = np.float32(amax / np.float32(127.0))
+            inv = np.float32(1.0) / d
+            d16 = round_to_half(d)
+            for i in range(b0, b0 + block):
+                v = x[i] * inv
+                q = np.floor(abs(v) + np.float32(0.5))  # roundf: halves away from zero
+                out[i] = (q if v >= 0 else -q) * d16
+        else:
+            # Q8_K: iscale = -127/max (signed), q = min(127, nearest_int(iscale*x)), d = 1/iscale in fp32
+            iscale = np.float32(-127.0) / vmax
+            d = np.float32(1.0) / iscale
+            for i in range(b0, b0 + block):
+                q = min(127.0, np.rint(iscale * x[i]))
+                out[i] = np.float32(q) * d
+    return out
+
+
+def quantize_activations(x: np.ndarray, ggml_type: int) -> np.ndarray:
+    """Round float32 activations as ggml does for this weight type's dot product."""
+    fmt = _format(ggml_type)
+    if fmt.act_block == 0:
+        return x
+    if x.shape[-1] % fmt.act_block:
+        raise ValueError(f"activation length {x.shape[-1]} is not a multiple of {fmt.act_block}")
+    flat = np.ascontiguousarray(x, np.float32).reshape(-1)
+    return _round_q8(flat, fmt.act_block).reshape(x.shape)
+
+
+def matvec(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool = False) -> np.ndarray:
+    """y = W @ x for W given as rows of ggml blocks."""
+    fmt = _format(ggml_type)
+    if x.ndim != 1:
+        raise ValueError(f"matvec takes a 1-D activation vector, got shape {x.shape}")
+    _check_weights(w, fmt, x.shape[0])
+    x = np.ascontiguousarray(x, np.float32)
+    if act_quant:
+        x = quantize_activations(x, ggml_type)
+    out = np.empty(w.shape[0], np.float32)
+    _kernel(_MATVEC, _make_matvec, ggml_type)(w, x, out)
+    return out
+
+
+def matmul(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool = False) -> np.ndarray:
+    """Y = X @ W.T for X [n, k] float32 and W given as rows of ggml blocks; returns [n, rows]."""
+    fmt = _format(ggml_type)
+    if x.ndim != 2:
+        raise ValueError(f"matmul takes a 2-D activation matrix [n, k], got shape {x.shape}")
+    n, k = x.shape
+    _check_weights(w, fmt, k)
+    x = np.ascontiguousarray(x, np.float32)
+    if act_quant:
+        x = quantize_activations(x, ggml_type)
+    n_rows = w.shape[0]
+    out = np.empty((n, n_rows), np.float32)
+    dequant_rows = _kernel(_DEQUANT_ROWS, _make_dequant_rows, ggml_type)
+    tile = np.empty((min(_MATMUL_TILE_ROWS, n_rows), k), np.float32)
+    for r0 in range(0, n_rows, _MATMUL_TILE_ROWS):
+        r1 = min(n_rows, r0 + _MATMUL_TILE_ROWS)
+        t = tile[: r1 - r0]
+        dequant_rows(w[r0:r1], t)
+        np.matmul(x, t.T, out=out[:, r0:r1])
+    return out
+
+
+# Each format family registers itself on import; importing them here makes this module complete.
+from . import quant_float, quant_iq, quant_k, quant_legacy, quant_nl, quant_q8  # noqa: E402,F401

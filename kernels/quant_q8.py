@@ -1,0 +1,24 @@
+"""Q8_0: blocks of 32 int8 weights with one fp16 scale."""
+
+import numba
+import numpy as np
+
+from .ggml_blocks import f16
+from .quant import register_type
+
+Q8_0 = 8
+_QK = 32
+_BLOCK_BYTES = 34
+
+
+@numba.njit(nogil=True, cache=True)
+def dequant_q8_0(src, dst):
+    for b in range(dst.shape[0] // _QK):
+        o = b * _BLOCK_BYTES
+        d = f16(src, o)
+        for j in range(_QK):
+            q = np.int32(src[o + 2 + j])
+            dst[b * _QK + j] = d * np.float32(q - 256 if q > 127 else q)
+
+
+register_type(Q8_0, "Q8_0", _QK, _BLOCK_BYTES, dequant_q8_0, act_block=32)
