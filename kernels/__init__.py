@@ -1,1 +1,28 @@
-"""Compute kernels: Numba CPU kernels with float64 references (and, later, CUDA sources)."""
+"""Compute kernels: Numba CPU kernels, each with a float64 reference in reference.py."""
+
+import hashlib
+import os
+from pathlib import Path
+
+import numba
+
+
+def _key_numba_cache_by_source() -> None:
+    """Point Numba's disk cache at a folder named by a hash of every kernel source.
+
+    Numba checks only the timestamp of the file holding a cached function, not of the functions it
+    calls: after an edit to a format decoder, the cached dispatch kernels would run stale code. A new
+    folder per source version makes any edit here recompile everything that depends on it.
+    NUMBA_CACHE_DIR, when set, is respected as is.
+    """
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        return
+    digest = hashlib.sha256()
+    for src in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(src.read_bytes())
+    home = os.environ.get("STRATA_ASYNC_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "strata-async")
+    numba.config.CACHE_DIR = os.path.join(home, "numba", digest.hexdigest()[:16])
+
+
+_key_numba_cache_by_source()

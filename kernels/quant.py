@@ -1,10 +1,10 @@
 """Quantized matrix products computed straight from ggml blocks.
 
-Every ggml format registers one Numba function, ``dequant_row(src, dst)``, that decodes one
-row of blocks (``src``: the row's bytes, ``dst``: its float32 values).  From it this module
-builds, per format, a parallel matrix-vector kernel (decode) and a tiled matrix-matrix path
-(prefill: a tile of rows is decoded into a small float32 buffer and multiplied with BLAS),
-so no call ever dequantizes a whole matrix.
+Every ggml format registers its block size and one Numba function, ``dequant_row(src, dst)``,
+that decodes one row of blocks (``src``: the row's bytes, ``dst``: its float32 values);
+quant_dispatch joins them in cached kernels: a parallel matrix-vector product (decode) and a
+tiled matrix-matrix path (prefill: a tile of rows is decoded into a small float32 buffer and
+multiplied with BLAS), so no call ever dequantizes a whole matrix.
 
 ``act_quant=True`` rounds the activations the way ggml does before its integer dot products
 (per 32 values to Q8_0, or per 256 values to Q8_K for the k-quant and i-quant families):
@@ -37,9 +37,6 @@ class QuantFormat:
 
 
 _FORMATS: dict[int, QuantFormat] = {}
-# Compiled kernels per ggml type, built lazily on first use (Numba compiles on first call).
-_MATVEC: dict[int, Callable] = {}
-_DEQUANT_ROWS: dict[int, Callable] = {}
 
 
 def register_type(ggml_type: int, name: str, block_elems: int, block_bytes: int,
@@ -75,40 +72,6 @@ def row_bytes(ggml_type: int, row_len: int) -> int:
     return row_len // fmt.block_elems * fmt.block_bytes
 
 
-def _make_dequant_rows(dequant_row: Callable) -> Callable:
-    @numba.njit(parallel=True, nogil=True)
-    def dequant_rows(w, out):
-        for r in numba.prange(w.shape[0]):
-            dequant_row(w[r], out[r])
-    return dequant_rows
-
-
-def _make_matvec(dequant_row: Callable) -> Callable:
-    @numba.njit(parallel=True, nogil=True)
-    def matvec(w, x, out):
-        k = x.shape[0]
-        n_rows = w.shape[0]
-        # One float32 scratch row per chunk of rows: prange bodies cannot share a buffer.
-        n_chunks = min(n_rows, 64)
-        per = (n_rows + n_chunks - 1) // n_chunks
-        for c in numba.prange(n_chunks):
-            buf = np.empty(k, np.float32)
-            for r in range(c * per, min(n_rows, (c + 1) * per)):
-                dequant_row(w[r], buf)
-                acc = 0.0  # float64 accumulation: the reference of record is float64
-                for i in range(k):
-                    acc += buf[i] * x[i]
-                out[r] = acc
-    return matvec
-
-
-def _kernel(cache: dict, factory: Callable, ggml_type: int) -> Callable:
-    fn = cache.get(ggml_type)
-    if fn is None:
-        fn = cache[ggml_type] = factory(_format(ggml_type).dequant_row)
-    return fn
-
-
 def _check_weights(w: np.ndarray, fmt: QuantFormat, k: int) -> None:
     if w.dtype != np.uint8 or w.ndim != 2:
         raise ValueError(f"{fmt.name} weights must be a 2-D uint8 array of row bytes, got {w.dtype} {w.shape}")
@@ -130,7 +93,7 @@ def dequantize(data: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.n
     w = np.ascontiguousarray(data).reshape(-1).view(np.uint8).reshape(n_rows, -1)
     _check_weights(w, fmt, k)
     out = np.empty((n_rows, k), np.float32)
-    _kernel(_DEQUANT_ROWS, _make_dequant_rows, ggml_type)(w, out)
+    quant_dispatch.dequant_rows(fmt.ggml_type, w, out)
     return out.reshape(shape)
 
 
@@ -187,7 +150,7 @@ def matvec(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool = False
     if act_quant:
         x = quantize_activations(x, ggml_type)
     out = np.empty(w.shape[0], np.float32)
-    _kernel(_MATVEC, _make_matvec, ggml_type)(w, x, out)
+    quant_dispatch.matvec(fmt.ggml_type, w, x, out)
     return out
 
 
@@ -203,15 +166,14 @@ def matmul(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool = False
         x = quantize_activations(x, ggml_type)
     n_rows = w.shape[0]
     out = np.empty((n, n_rows), np.float32)
-    dequant_rows = _kernel(_DEQUANT_ROWS, _make_dequant_rows, ggml_type)
     tile = np.empty((min(_MATMUL_TILE_ROWS, n_rows), k), np.float32)
     for r0 in range(0, n_rows, _MATMUL_TILE_ROWS):
         r1 = min(n_rows, r0 + _MATMUL_TILE_ROWS)
         t = tile[: r1 - r0]
-        dequant_rows(w[r0:r1], t)
+        quant_dispatch.dequant_rows(fmt.ggml_type, w[r0:r1], t)
         np.matmul(x, t.T, out=out[:, r0:r1])
     return out
 
 
-# Each format family registers itself on import; importing them here makes this module complete.
-from . import quant_float, quant_iq, quant_k, quant_legacy, quant_nl, quant_q8  # noqa: E402,F401
+# The format families register themselves on import; quant_dispatch imports them all.
+from . import quant_dispatch  # noqa: E402

@@ -1,0 +1,105 @@
+"""One compiled entry point for every ggml format, so the kernels cache on disk.
+
+Kernels specialised per format by closures would be recompiled in every process (Numba cannot
+cache closures); a branch on the type id per row costs nothing next to decoding the row, and lets
+``dequant_rows`` and ``matvec`` below be compiled once and loaded from Numba's cache afterwards.
+"""
+
+import numba
+import numpy as np
+
+from .quant_float import BF16, F16, F32, dequant_bf16, dequant_f16, dequant_f32
+from .quant_iq import (IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, dequant_iq1_m, dequant_iq1_s,
+                       dequant_iq2_s, dequant_iq2_xs, dequant_iq2_xxs, dequant_iq3_s, dequant_iq3_xxs)
+from .quant_k import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, dequant_q2_k, dequant_q3_k, dequant_q4_k, dequant_q5_k, dequant_q6_k
+from .quant_legacy import Q2_0, Q4_0, Q4_1, Q5_0, Q5_1, dequant_q2_0, dequant_q4_0, dequant_q4_1, dequant_q5_0, dequant_q5_1
+from .quant_nl import IQ4_NL, IQ4_XS, MXFP4, dequant_iq4_nl, dequant_iq4_xs, dequant_mxfp4
+from .quant_q8 import Q8_0, dequant_q8_0
+
+# Reassociation lets LLVM vectorize the dot product (float32 lanes); rounding differs from a
+# sequential sum by far less than the tolerances of the float64 reference tests.
+_FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
+
+
+@numba.njit(nogil=True, cache=True)
+def dequant_row(t, src, dst):
+    """Decode one row of ggml type ``t`` (``src``: its bytes) into float32 ``dst``."""
+    if t == Q8_0:
+        dequant_q8_0(src, dst)
+    elif t == Q4_K:
+        dequant_q4_k(src, dst)
+    elif t == Q6_K:
+        dequant_q6_k(src, dst)
+    elif t == F32:
+        dequant_f32(src, dst)
+    elif t == F16:
+        dequant_f16(src, dst)
+    elif t == BF16:
+        dequant_bf16(src, dst)
+    elif t == Q2_K:
+        dequant_q2_k(src, dst)
+    elif t == Q3_K:
+        dequant_q3_k(src, dst)
+    elif t == Q5_K:
+        dequant_q5_k(src, dst)
+    elif t == Q4_0:
+        dequant_q4_0(src, dst)
+    elif t == Q4_1:
+        dequant_q4_1(src, dst)
+    elif t == Q5_0:
+        dequant_q5_0(src, dst)
+    elif t == Q5_1:
+        dequant_q5_1(src, dst)
+    elif t == Q2_0:
+        dequant_q2_0(src, dst)
+    elif t == IQ4_NL:
+        dequant_iq4_nl(src, dst)
+    elif t == IQ4_XS:
+        dequant_iq4_xs(src, dst)
+    elif t == MXFP4:
+        dequant_mxfp4(src, dst)
+    elif t == IQ2_XXS:
+        dequant_iq2_xxs(src, dst)
+    elif t == IQ2_XS:
+        dequant_iq2_xs(src, dst)
+    elif t == IQ2_S:
+        dequant_iq2_s(src, dst)
+    elif t == IQ3_XXS:
+        dequant_iq3_xxs(src, dst)
+    elif t == IQ3_S:
+        dequant_iq3_s(src, dst)
+    elif t == IQ1_S:
+        dequant_iq1_s(src, dst)
+    elif t == IQ1_M:
+        dequant_iq1_m(src, dst)
+    else:
+        raise ValueError("ggml type has no decoder")
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def dequant_rows(t, w, out):
+    """Decode rows ``w`` [rows, row_bytes] of type ``t`` into ``out`` [rows, k], rows in parallel."""
+    for r in numba.prange(w.shape[0]):
+        dequant_row(t, w[r], out[r])
+
+
+@numba.njit(nogil=True, inline="always", fastmath=_FASTMATH)
+def _dot(a, b):
+    acc = np.float32(0.0)
+    for i in range(a.shape[0]):
+        acc += a[i] * b[i]
+    return acc
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def matvec(t, w, x, out):
+    """out = W @ x, W given as rows of ggml blocks; rows decoded one at a time into a scratch row."""
+    n_rows = w.shape[0]
+    # One scratch row per chunk of rows: prange bodies cannot share a buffer.
+    n_chunks = min(n_rows, 64)
+    per = (n_rows + n_chunks - 1) // n_chunks
+    for c in numba.prange(n_chunks):
+        buf = np.empty(x.shape[0], np.float32)
+        for r in range(c * per, min(n_rows, (c + 1) * per)):
+            dequant_row(t, w[r], buf)
+            out[r] = _dot(buf, x)

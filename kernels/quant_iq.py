@@ -1,0 +1,205 @@
+"""i-quants: IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S.
+
+Blocks of 256 weights whose groups of 8 (or 4) values are indices into fixed lattice grids,
+with separate sign bits and small per-32 (or per-16) scales.  The grids and the sign table are
+taken from the gguf package at import (the same tables ggml compiles in), so no table is
+copied here.  Each decoder follows ggml's dequantize_row_iq* operation order in float32, so
+results are bit-exact with ggml and gguf.quants.dequantize.  ggml multiplies all of them with
+Q8_K activations (per 256 values).
+"""
+
+import numba
+import numpy as np
+from gguf import quants as gguf_quants
+
+from .ggml_blocks import f16, half_to_float, u16, u32
+from .quant import register_type
+
+IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M = 16, 17, 18, 19, 21, 22, 29
+_QK = 256
+_Q8_K = 256  # activation block: ggml's vec_dot_type for every i-quant is Q8_K
+
+
+def _grid(quant_cls) -> np.ndarray:
+    """A gguf quant class's lattice grid as a [points, values] float32 array (exact small integers)."""
+    quant_cls.init_grid()
+    grid = quant_cls.grid
+    return np.ascontiguousarray(grid.reshape(grid.shape[-2], grid.shape[-1]), np.float32)
+
+
+# ggml's iq2xxs_grid / iq2xs_grid / iq2s_grid (8 values per point), iq3xxs_grid / iq3s_grid (4 values),
+# iq1s_grid (8 values in {-1, 0, 1}, shared by IQ1_S and IQ1_M).
+_IQ2XXS_GRID = _grid(gguf_quants.IQ2_XXS)
+_IQ2XS_GRID = _grid(gguf_quants.IQ2_XS)
+_IQ2S_GRID = _grid(gguf_quants.IQ2_S)
+_IQ3XXS_GRID = _grid(gguf_quants.IQ3_XXS)
+_IQ3S_GRID = _grid(gguf_quants.IQ3_S)
+_IQ1S_GRID = _grid(gguf_quants.IQ1_S)
+# ksigns_iq2xs: 7 stored sign bits -> 8 sign bits (the 8th keeps the count of minus signs even).
+_KSIGNS = np.frombuffer(gguf_quants.IQ2_XXS.ksigns, dtype=np.uint8).copy()
+_IQ1_DELTA = np.float32(0.125)  # IQ1S_DELTA / IQ1M_DELTA: shift of the ternary grid values
+
+assert _IQ2XXS_GRID.shape == (256, 8) and _IQ2XS_GRID.shape == (512, 8) and _IQ2S_GRID.shape == (1024, 8)
+assert _IQ3XXS_GRID.shape == (256, 4) and _IQ3S_GRID.shape == (512, 4) and _IQ1S_GRID.shape == (2048, 8)
+assert _KSIGNS.shape == (128,)
+
+
+@numba.njit(inline="always", nogil=True)
+def _put8(dst, y, scale, grid, point, signs):
+    """dst[y:y+8] = scale * grid[point] with the value negated where bit j of `signs` is set."""
+    for j in range(8):
+        v = scale * grid[point, j]
+        dst[y + j] = -v if (signs >> j) & 1 else v
+
+
+@numba.njit(inline="always", nogil=True)
+def _put4(dst, y, scale, grid, point, signs, first_bit):
+    """dst[y:y+4] = scale * grid[point], signed by bits first_bit..first_bit+3 of `signs`."""
+    for j in range(4):
+        v = scale * grid[point, j]
+        dst[y + j] = -v if (signs >> (first_bit + j)) & 1 else v
+
+
+@numba.njit(nogil=True, cache=True)
+def dequant_iq2_xxs(src, dst):
+    # block: d fp16 | 8 x (4 grid-index bytes, u32 = 4 x 7 sign bits + 4-bit scale)   (66 bytes)
+    for b in range(dst.shape[0] // _QK):
+        o = b * 66
+        d = f16(src, o)
+        for ib in range(8):
+            q = o + 2 + 8 * ib
+            aux = u32(src, q + 4)
+            db = d * (np.float32(0.5) + np.float32(aux >> 28)) * np.float32(0.25)
+            for l in range(4):
+                signs = _KSIGNS[(aux >> (7 * l)) & 127]
+                _put8(dst, b * _QK + 32 * ib + 8 * l, db, _IQ2XXS_GRID, src[q + l], signs)
+
+
+@numba.njit(nogil=True, cache=True)
+def dequant_iq2_xs(src, dst):
+    # block: d fp16 | 32 x u16 (9-bit grid index, 7 sign bits) | 8 scale bytes (two 4-bit scales)   (74 bytes)
+    for b in range(dst.shape[0] // _QK):
+        o = b * 74
+        d = f16(src, o)
+        for ib in range(8):
+            sc = src[o + 66 + ib]
+            db0 = d * (np.float32(0.5) + np.float32(sc & 0xF)) * np.float32(0.25)
+            db1 = d * (np.float32(0.5) + np.float32(sc >> 4)) * np.float32(0.25)
+            for l in range(4):
+                qv = u16(src, o + 2 + 2 * (4 * ib + l))
+                _put8(dst, b * _QK + 32 * ib + 8 * l, db0 if l < 2 else db1,
+                      _IQ2XS_GRID, qv & 511, _KSIGNS[qv >> 9])
+
+
+@numba.njit(nogil=True, cache=True)
+def dequant_iq2_s(src, dst):
+    # block: d fp16 | 32 grid-index low bytes | 32 sign bytes | 8 qh (4 x 2 high index bits) | 8 scales  (82 bytes)
+    for b in range(dst.shape[0] // _QK):
+        o = b * 82
+        d = f16(src, o)
+        for ib in range(8):
+            sc = src[o + 74 + ib]
+            db0 = d * (np.float32(0.5) + np.float32(sc & 0xF)) * np.float32(0.25)
+            db1 = d * (np.float32(0.5) + np.float32(sc >> 4)) * np.float32(0.25)
+            qh = np.int32(src[o + 66 + ib])
+            for l in range(4):
+                point = np.int32(src[o + 2 + 4 * ib + l]) | ((qh << (8 - 2 * l)) & 0x300)
+                _put8(dst, b * _QK + 32 * ib + 8 * l, db0 if l < 2 else db1,
+                      _IQ2S_GRID, point, src[o + 34 + 4 * ib + l])
+
+
+@numba.njit(nogil=True, cache=True)
+def dequant_iq3_xxs(src, dst):
+    # block: d fp16 | 64 grid-index bytes (4 values each) | 8 x u32 (4 x 7 sign bits + 4-bit scale)   (98 bytes)
+    for b in range(dst.shape[0] // _QK):
+        o = b * 98
+        d = f16(src, o)
+        for ib in range(8):
+            aux = u32(src, o + 66 + 4 * ib)
+            db = d * (np.float32(0.5) + np.float32(aux >> 28)) * np.float32(0.5)
+            q = o + 2 + 8 * ib
+            for l in range(4):
+                signs = _KSIGNS[(aux >> (7 * l)) & 127]
+                y = b * _QK + 32 * ib + 8 * l
+                _put4(dst, y, db, _IQ3XXS_GRID, src[q + 2 * l], signs, 0)
+                _put4(dst, y + 4, db, _IQ3XXS_GRID, src[q + 2 * l + 1], signs, 4)
+
+
+@numba.njit(nogil=True, cache=True)
+def dequant_iq3_s(src, dst):
+    # block: d fp16 | 64 grid-index low bytes | 8 qh (high index bits) | 32 sign bytes | 4 scales  (110 bytes)
+    for b in range(dst.shape[0] // _QK):
+        o = b * 110
+        d = f16(src, o)
+        for ib in range(8):
+            sc = (np.int32(src[o + 106 + ib // 2]) >> (4 * (ib % 2))) & 0xF
+            db = d * np.float32(1 + 2 * sc)
+            qh = np.int32(src[o + 66 + ib])
+            q = o + 2 + 8 * ib
+            for l in range(4):
+                signs = src[o + 74 + 4 * ib + l]
+                point1 = np.int32(src[q + 2 * l]) | ((qh << (8 - 2 * l)) & 256)
+                point2 = np.int32(src[q + 2 * l + 1]) | ((qh << (7 - 2 * l)) & 256)
+                y = b * _QK + 32 * ib + 8 * l
+                _put4(dst, y, db, _IQ3S_GRID, point1, signs, 0)
+                _put4(dst, y + 4, db, _IQ3S_GRID, point2, signs, 4)
+
+
+@numba.njit(inline="always", nogil=True)
+def _put_iq1(dst, y, scale, point, delta):
+    """dst[y:y+8] = scale * (iq1s_grid[point] + delta)."""
+    for j in range(8):
+        dst[y + j] = scale * (_IQ1S_GRID[point, j] + delta)
+
+
+@numba.njit(nogil=True, cache=True)
+def dequant_iq1_s(src, dst):
+    # block: d fp16 | 32 grid-index low bytes | 8 x u16 (4 x 3 high index bits, 3-bit scale, delta sign)  (50 bytes)
+    for b in range(dst.shape[0] // _QK):
+        o = b * 50
+        d = f16(src, o)
+        for ib in range(8):
+            qh = np.int32(u16(src, o + 34 + 2 * ib))
+            dl = d * np.float32(2 * ((qh >> 12) & 7) + 1)
+            delta = -_IQ1_DELTA if qh & 0x8000 else _IQ1_DELTA
+            for l in range(4):
+                point = np.int32(src[o + 2 + 4 * ib + l]) | (((qh >> (3 * l)) & 7) << 8)
+                _put_iq1(dst, b * _QK + 32 * ib + 8 * l, dl, point, delta)
+
+
+@numba.njit(nogil=True, cache=True)
+def dequant_iq1_m(src, dst):
+    # block: 32 grid-index low bytes | 16 qh (per 8 values: 3 high index bits + delta sign)
+    #        | 4 x u16 scales (four 3-bit scales each; their top nibbles together are the fp16 d)  (56 bytes)
+    for b in range(dst.shape[0] // _QK):
+        o = b * 56
+        s0 = np.int32(u16(src, o + 48))
+        s1 = np.int32(u16(src, o + 50))
+        s2 = np.int32(u16(src, o + 52))
+        s3 = np.int32(u16(src, o + 54))
+        d = half_to_float((s0 >> 12) | ((s1 >> 8) & 0x00F0) | ((s2 >> 4) & 0x0F00) | (s3 & 0xF000))
+        for ib in range(8):
+            sc = np.int32(u16(src, o + 48 + 2 * (ib // 2)))
+            shift = 6 * (ib % 2)
+            dl1 = d * np.float32(2 * ((sc >> shift) & 7) + 1)
+            dl2 = d * np.float32(2 * ((sc >> (shift + 3)) & 7) + 1)
+            y = b * _QK + 32 * ib
+            for half in range(2):  # two groups of 8 values per qh byte
+                qh = np.int32(src[o + 32 + 2 * ib + half])
+                dl = dl1 if half == 0 else dl2
+                q = o + 4 * ib + 2 * half
+                point_lo = np.int32(src[q]) | ((qh << 8) & 0x700)
+                point_hi = np.int32(src[q + 1]) | ((qh << 4) & 0x700)
+                delta_lo = -_IQ1_DELTA if qh & 0x08 else _IQ1_DELTA
+                delta_hi = -_IQ1_DELTA if qh & 0x80 else _IQ1_DELTA
+                _put_iq1(dst, y + 16 * half, dl, point_lo, delta_lo)
+                _put_iq1(dst, y + 16 * half + 8, dl, point_hi, delta_hi)
+
+
+register_type(IQ2_XXS, "IQ2_XXS", _QK, 66, dequant_iq2_xxs, act_block=_Q8_K)
+register_type(IQ2_XS, "IQ2_XS", _QK, 74, dequant_iq2_xs, act_block=_Q8_K)
+register_type(IQ2_S, "IQ2_S", _QK, 82, dequant_iq2_s, act_block=_Q8_K)
+register_type(IQ3_XXS, "IQ3_XXS", _QK, 98, dequant_iq3_xxs, act_block=_Q8_K)
+register_type(IQ3_S, "IQ3_S", _QK, 110, dequant_iq3_s, act_block=_Q8_K)
+register_type(IQ1_S, "IQ1_S", _QK, 50, dequant_iq1_s, act_block=_Q8_K)
+register_type(IQ1_M, "IQ1_M", _QK, 56, dequant_iq1_m, act_block=_Q8_K)

@@ -1,0 +1,125 @@
+"""k-quant (Q2_K ... Q6_K) kernels against references that are not ours.
+
+Decoding must be bit-identical to gguf.quants.dequantize (itself bit-exact with ggml); matvec/matmul
+are checked against float64 products of gguf's dequantized weights, and act_quant=True against the
+same product with activations rounded by reference.q8_k_activations_ref (ggml's quantize_row_q8_K_ref).
+
+Blocks are random bytes (every byte pattern of the code and scale fields is a valid block) with
+random finite fp16 super-scales.  Inputs are fresh each run; the seed is printed for reproduction.
+"""
+
+import gguf
+import numpy as np
+import pytest
+
+from strata_async.kernels import quant
+from strata_async.kernels.reference import q8_k_activations_ref
+
+QK_K = 256
+# ggml type -> byte offsets of its fp16 super-scales (d, and dmin where the format has one) in a block
+SUPER_SCALE_OFFSETS = {
+    10: (80, 82),   # Q2_K
+    11: (108,),     # Q3_K
+    12: (0, 2),     # Q4_K
+    13: (0, 2),     # Q5_K
+    14: (208,),     # Q6_K
+}
+K_TYPES = sorted(SUPER_SCALE_OFFSETS)
+
+# Tolerances relative to sum_i |w_i| |x_i| per output.  matvec accumulates float32 products in
+# float64 and rounds once to float32 (error ~ 2^-24 of the result); matmul multiplies float32 tiles
+# with BLAS, whose float32 sums of k <= 2048 terms stay far below the worst case k * 2^-24.
+MATVEC_TOL = 1e-6
+MATMUL_TOL = 1e-5
+# rows not a multiple of 64 (matvec chunking) nor of 128 (matmul tiles) and across tile edges
+SHAPES = [(37, 256), (70, 512), (131, 2048)]
+BATCHES = [1, 2, 3, 4, 5, 6, 7, 33]
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    seed = np.random.SeedSequence().entropy
+    print(f"random seed: {seed}")
+    return np.random.default_rng(seed)
+
+
+def random_blocks(rng: np.random.Generator, ggml_type: int, rows: int, k: int) -> np.ndarray:
+    """uint8 [rows, row_bytes]: random code/scale bytes, fp16 super-scales of either sign, 2^-12 .. 2^-2."""
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
+    n_blocks = k // block_elems
+    raw = rng.integers(0, 256, size=(rows, n_blocks, block_bytes), dtype=np.uint8)
+    for off in SUPER_SCALE_OFFSETS[ggml_type]:
+        mag = np.exp2(rng.uniform(-12, -2, size=(rows, n_blocks)))
+        scale = (mag * rng.choice([-1.0, 1.0], size=(rows, n_blocks))).astype(np.float16)
+        raw[:, :, off:off + 2] = scale.view(np.uint8).reshape(rows, n_blocks, 2)
+    return raw.reshape(rows, n_blocks * block_bytes)
+
+
+def gguf_weights(raw: np.ndarray, ggml_type: int) -> np.ndarray:
+    """The reference decode, in float64."""
+    return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(ggml_type)).astype(np.float64)
+
+
+def random_activations(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    # per-256 block magnitudes spread over two decades so Q8_K scales differ between blocks
+    x = rng.standard_normal(shape)
+    blocks = x.reshape(-1, QK_K) * np.exp2(rng.uniform(-3, 3, size=(x.size // QK_K, 1)))
+    return blocks.reshape(shape).astype(np.float32)
+
+
+def assert_product_close(got: np.ndarray, w: np.ndarray, x: np.ndarray, tol: float) -> None:
+    """got ~ x @ w.T (or w @ x for a vector x) in float64, per output within tol * sum |w||x|."""
+    ref = x @ w.T
+    bound = tol * (np.abs(x) @ np.abs(w).T)
+    err = np.abs(got.astype(np.float64) - ref)
+    assert got.shape == ref.shape
+    assert np.all(err <= bound), f"max error / bound: {np.max(err / bound):.3g}"
+
+
+@pytest.mark.parametrize("ggml_type", K_TYPES)
+def test_block_sizes_match_gguf(ggml_type):
+    assert quant.block_size(ggml_type) == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
+
+
+@pytest.mark.parametrize("ggml_type", K_TYPES)
+def test_dequantize_is_bit_exact_with_gguf(rng, ggml_type):
+    raw = random_blocks(rng, ggml_type, 2 * 3, 4 * QK_K)
+    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(ggml_type))
+    ours = quant.dequantize(raw, ggml_type, (2, 3, 4 * QK_K))
+    assert ours.dtype == np.float32 and ours.shape == (2, 3, 4 * QK_K)
+    np.testing.assert_array_equal(ours.reshape(ref.shape), ref)
+
+
+@pytest.mark.parametrize("ggml_type", K_TYPES)
+def test_matvec_and_matmul_match_float64(rng, ggml_type):
+    for rows, k in SHAPES:
+        raw = random_blocks(rng, ggml_type, rows, k)
+        w = gguf_weights(raw, ggml_type)
+        x = random_activations(rng, (k,))
+        assert_product_close(quant.matvec(raw, ggml_type, x), w, x.astype(np.float64), MATVEC_TOL)
+        for n in BATCHES:
+            xs = random_activations(rng, (n, k))
+            assert_product_close(quant.matmul(raw, ggml_type, xs), w, xs.astype(np.float64), MATMUL_TOL)
+
+
+def test_q8_k_activation_rounding_matches_reference(rng):
+    x = random_activations(rng, (5 * QK_K,))
+    x[QK_K:2 * QK_K] = 0.0  # an all-zero block has no scale and must stay zero
+    x[3 * QK_K + 17] = -40.0  # a negative extreme sets the block's (signed) scale
+    ref = q8_k_activations_ref(x)
+    for ggml_type in K_TYPES:
+        np.testing.assert_array_equal(quant.quantize_activations(x, ggml_type), ref.astype(np.float32))
+
+
+@pytest.mark.parametrize("ggml_type", K_TYPES)
+def test_act_quant_products_match_float64(rng, ggml_type):
+    for rows, k in SHAPES:
+        raw = random_blocks(rng, ggml_type, rows, k)
+        w = gguf_weights(raw, ggml_type)
+        x = random_activations(rng, (k,))
+        got = quant.matvec(raw, ggml_type, x, act_quant=True)
+        assert_product_close(got, w, q8_k_activations_ref(x), MATVEC_TOL)
+        for n in BATCHES:
+            xs = random_activations(rng, (n, k))
+            got = quant.matmul(raw, ggml_type, xs, act_quant=True)
+            assert_product_close(got, w, q8_k_activations_ref(xs), MATMUL_TOL)
