@@ -1,0 +1,272 @@
+"""Gated DeltaNet (Qwen3-Next linear attention) kernels: the short causal convolution over the
+mixed q/k/v channels, the gates, and the gated delta rule in its recurrent (decode) and chunked
+(prefill) forms. The math is transformers' Qwen3NextGatedDeltaNet; weights come in GGUF layout.
+
+Gated delta rule, per token t and value head h (key head kh = h // (hv // hk), as HF's
+repeat_interleave), with S the [dk, dv] state of head h:
+    S   = exp(g_t) * S
+    d   = beta_t * (v_t - S^T k_t)
+    S   = S + k_t d^T
+    o_t = S^T (scale * q_t)           scale = dk ** -0.5 unless given
+q and k come in already L2-normalized (norms.l2norm), as HF's use_qk_l2norm_in_kernel=True does
+before the rule; the scale is applied here, as HF does. States are float32 [hv, dk, dv] and are
+updated in place, so successive calls continue one sequence.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from .checks import require_array, require_positive
+from .small_matmul import FASTMATH, matmul_nt
+
+
+@numba.njit(nogil=True, cache=True)
+def _causal_conv1d_silu(x, state, weight, out):
+    n, channels = x.shape
+    kernel = weight.shape[1]
+    history = kernel - 1  # rows of conv_state; x[t] is history row history + t
+    for t in range(n):
+        for c in range(channels):
+            out[t, c] = 0.0
+        for j in range(kernel):
+            src = t + j
+            if src < history:
+                for c in range(channels):
+                    out[t, c] += weight[c, j] * state[src, c]
+            else:
+                for c in range(channels):
+                    out[t, c] += weight[c, j] * x[src - history, c]
+        for c in range(channels):
+            z = out[t, c]
+            out[t, c] = z / (np.float32(1.0) + np.exp(-z))
+    # Keep the last kernel-1 inputs. Row i takes row i + n of the history; ascending i only reads
+    # state rows that have not been overwritten yet.
+    for i in range(history):
+        src = i + n
+        if src < history:
+            for c in range(channels):
+                state[i, c] = state[src, c]
+        else:
+            for c in range(channels):
+                state[i, c] = x[src - history, c]
+
+
+@numba.njit(nogil=True, cache=True)
+def _gdn_gates(alpha, b, ssm_a, dt_bias, g, beta):
+    n, hv = alpha.shape
+    for t in range(n):
+        for h in range(hv):
+            z = np.float64(alpha[t, h]) + np.float64(dt_bias[h])
+            softplus = max(z, 0.0) + np.log1p(np.exp(-abs(z)))
+            g[t, h] = ssm_a[h] * softplus
+            beta[t, h] = 1.0 / (1.0 + np.exp(-np.float64(b[t, h])))
+
+
+@numba.njit(nogil=True, cache=True, parallel=True, fastmath=FASTMATH)
+def _gated_delta_rule_recurrent(q, k, v, g, beta, state, scale, out):
+    n, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    group = hv // hk
+    for h in numba.prange(hv):
+        kh = h // group
+        S = state[h]
+        kS = np.empty(dv, np.float32)
+        qS = np.empty(dv, np.float32)
+        delta = np.empty(dv, np.float32)
+        for t in range(n):
+            decay = np.float32(np.exp(np.float64(g[t, h])))
+            # One pass over S reads both S^T k and S^T q; the output then follows from
+            # S_new^T q = decay * S^T q + (k . q) * delta without a third pass.
+            kS[:] = 0.0
+            qS[:] = 0.0
+            kq = np.float32(0.0)
+            for i in range(dk):
+                ki = k[t, kh, i]
+                qi = q[t, kh, i]
+                kq += ki * qi
+                for j in range(dv):
+                    s = S[i, j]
+                    kS[j] += ki * s
+                    qS[j] += qi * s
+            bt = beta[t, h]
+            for j in range(dv):
+                delta[j] = bt * (v[t, h, j] - decay * kS[j])
+            for i in range(dk):
+                ki = k[t, kh, i]
+                for j in range(dv):
+                    S[i, j] = decay * S[i, j] + ki * delta[j]
+            for j in range(dv):
+                out[t, h, j] = scale * (decay * qS[j] + kq * delta[j])
+
+
+@numba.njit(nogil=True, cache=True, parallel=True, fastmath=FASTMATH)
+def _gated_delta_rule_chunked(q, k, v, g, beta, state, scale, chunk, out):
+    # Within a chunk of L tokens starting from state S0, with G_t the cumulative log decay from the
+    # chunk start (so decays between tokens are exp(G_t - G_s) <= 1):
+    #   deltas D solve the unit lower-triangular system (I + A) D = diag(beta) (V - diag(exp G) K S0),
+    #       A[t, s] = beta_t exp(G_t - G_s) (k_t . k_s) for s < t
+    #   outputs  O = diag(exp G) Q S0 + P D,  P[t, s] = exp(G_t - G_s) (q_t . k_s) for s <= t
+    #   state    S = exp(G_L) S0 + sum_s exp(G_L - G_s) k_s D_s^T
+    # which equals L steps of the recurrence, with matrix-matrix work instead of L passes over S.
+    # Every product is arranged as dot products over contiguous rows (matmul_nt), which is why the
+    # state is worked on transposed ([dv, dk]) and the deltas are also copied as D^T ([dv, chunk]).
+    n, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    group = hv // hk
+    for h in numba.prange(hv):
+        kh = h // group
+        ST = np.ascontiguousarray(state[h].T)  # S^T [dv, dk], written back at the end
+        Kc = np.empty((chunk, dk), np.float32)  # chunk keys
+        Qc = np.empty((chunk, dk), np.float32)  # chunk queries, scaled (then also by exp G)
+        KdT = np.empty((dk, chunk), np.float32)  # keys decayed to the chunk end, transposed
+        D = np.empty((chunk, dv), np.float32)  # K S0, then the right-hand side, then the deltas
+        DT = np.empty((dv, chunk), np.float32)  # D^T
+        O = np.empty((chunk, dv), np.float32)  # chunk outputs
+        A = np.empty((chunk, chunk), np.float32)
+        P = np.empty((chunk, chunk), np.float32)
+        G = np.empty(chunk, np.float64)
+        decay = np.empty(chunk, np.float64)  # row t of exp(G_t - G_s), s <= t
+        for t0 in range(0, n, chunk):
+            L = min(chunk, n - t0)
+            acc = 0.0
+            for t in range(L):
+                acc += g[t0 + t, h]
+                G[t] = acc
+                for i in range(dk):
+                    Kc[t, i] = k[t0 + t, kh, i]
+                    Qc[t, i] = q[t0 + t, kh, i] * scale
+            matmul_nt(Kc, Kc, A, L, L, dk, False)
+            matmul_nt(Qc, Kc, P, L, L, dk, False)
+            for t in range(L):
+                # exp(G_t - G_s) = exp(g_t) exp(G_{t-1} - G_s): one exp per row, not per entry
+                step = np.exp(np.float64(g[t0 + t, h]))
+                for s in range(t):
+                    decay[s] *= step
+                decay[t] = 1.0
+                bt = beta[t0 + t, h]
+                for s in range(t):
+                    A[t, s] *= np.float32(bt * decay[s])
+                for s in range(t + 1):
+                    P[t, s] *= np.float32(decay[s])
+                for s in range(t, L):
+                    A[t, s] = 0.0
+                for s in range(t + 1, L):
+                    P[t, s] = 0.0
+            matmul_nt(Kc, ST, D, L, dv, dk, False)
+            for t in range(L):
+                et = np.float32(np.exp(G[t]))
+                for i in range(dk):
+                    Qc[t, i] *= et
+            matmul_nt(Qc, ST, O, L, dv, dk, False)
+            # Forward substitution, in place: row t needs the deltas of rows s < t only.
+            for t in range(L):
+                bt = beta[t0 + t, h]
+                et = np.float32(np.exp(G[t]))
+                for j in range(dv):
+                    D[t, j] = bt * (v[t0 + t, h, j] - et * D[t, j])
+                for s in range(t):
+                    c = A[t, s]
+                    for j in range(dv):
+                        D[t, j] -= c * D[s, j]
+            for j in range(dv):
+                for t in range(L):
+                    DT[j, t] = D[t, j]
+            matmul_nt(P, DT, O, L, dv, L, True)
+            for t in range(L):
+                for j in range(dv):
+                    out[t0 + t, h, j] = O[t, j]
+            end = G[L - 1]
+            for s in range(L):
+                w = np.float32(np.exp(end - G[s]))
+                for i in range(dk):
+                    KdT[i, s] = Kc[s, i] * w
+            e_end = np.float32(np.exp(end))
+            for j in range(dv):
+                for i in range(dk):
+                    ST[j, i] *= e_end
+            matmul_nt(DT, KdT, ST, dv, dk, L, True)
+        state[h] = ST.T
+
+
+def causal_conv1d(x: np.ndarray, conv_state: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """Depthwise causal convolution + SiLU over the DeltaNet q/k/v channels.
+
+    x [n, channels] float32 (n >= 1: one decode token or a prefill chunk); conv_state
+    [kernel-1, channels] float32, the previous kernel-1 inputs oldest first (zeros for a fresh
+    sequence), updated in place to the last kernel-1 inputs; weight [channels, kernel] float32 as
+    GGUF's ssm_conv1d (numpy order). Returns silu(conv) [n, channels] float32.
+    """
+    require_array("x", x, (None, None))
+    require_positive("x rows", x.shape[0])
+    require_array("weight", weight, (x.shape[1], None))
+    require_positive("conv kernel size", weight.shape[1])
+    require_array("conv_state", conv_state, (weight.shape[1] - 1, x.shape[1]), writable=True)
+    out = np.empty_like(x)
+    _causal_conv1d_silu(x, conv_state, weight, out)
+    return out
+
+
+def gdn_gates(alpha: np.ndarray, b: np.ndarray, ssm_a: np.ndarray,
+              dt_bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Decay and write strength of the gated delta rule from the ba projection.
+
+    alpha, b [n, hv] float32 (the a and b halves of ssm_ba's output); ssm_a [hv] (GGUF's ssm_a,
+    which is -exp(A_log)); dt_bias [hv] (GGUF's ssm_dt.bias). Returns (g, beta), both [n, hv]
+    float32: g = ssm_a * softplus(alpha + dt_bias), beta = sigmoid(b).
+    """
+    require_array("alpha", alpha, (None, None))
+    require_array("b", b, alpha.shape)
+    require_array("ssm_a", ssm_a, (alpha.shape[1],))
+    require_array("dt_bias", dt_bias, (alpha.shape[1],))
+    g = np.empty_like(alpha)
+    beta = np.empty_like(alpha)
+    _gdn_gates(alpha, b, ssm_a, dt_bias, g, beta)
+    return g, beta
+
+
+def _check_delta_rule_args(q, k, v, g, beta, state) -> None:
+    require_array("q", q, (None, None, None))
+    n, hk, dk = q.shape
+    require_positive("sequence length (q rows)", n)
+    require_array("k", k, q.shape)
+    require_array("v", v, (n, None, None))
+    hv, dv = v.shape[1], v.shape[2]
+    if hv % hk:
+        raise ValueError(f"value heads ({hv}) must be a multiple of key heads ({hk})")
+    require_array("g", g, (n, hv))
+    require_array("beta", beta, (n, hv))
+    require_array("state", state, (hv, dk, dv), writable=True)
+
+
+def _scale(dk: int, scale: float | None) -> np.float32:
+    return np.float32(dk ** -0.5 if scale is None else scale)
+
+
+def gated_delta_rule_recurrent(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
+                               beta: np.ndarray, state: np.ndarray, scale: float | None = None) -> np.ndarray:
+    """Gated delta rule token by token (decode, or a few tokens): see the module docstring.
+
+    q, k [n, hk, dk] float32, L2-normalized; v [n, hv, dv]; g (log decay, <= 0), beta [n, hv];
+    state [hv, dk, dv] float32, updated in place. Returns out [n, hv, dv] float32.
+    """
+    _check_delta_rule_args(q, k, v, g, beta, state)
+    out = np.empty_like(v)
+    _gated_delta_rule_recurrent(q, k, v, g, beta, state, _scale(q.shape[2], scale), out)
+    return out
+
+
+def gated_delta_rule_chunked(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
+                             beta: np.ndarray, state: np.ndarray, chunk: int = 64,
+                             scale: float | None = None) -> np.ndarray:
+    """Gated delta rule over a prompt, ``chunk`` tokens at a time with matrix-matrix work inside
+    each chunk (prefill). Same arguments, result and state update as gated_delta_rule_recurrent;
+    any length (the last chunk may be short). The arithmetic per token is the recurrent form's
+    (3 dk dv per head) plus chunk * (dk + dv) for the in-chunk products; what changes is that
+    the state is read and written once per chunk instead of once per token."""
+    _check_delta_rule_args(q, k, v, g, beta, state)
+    require_positive("chunk", chunk)
+    out = np.empty_like(v)
+    _gated_delta_rule_chunked(q, k, v, g, beta, state, _scale(q.shape[2], scale), int(chunk), out)
+    return out
