@@ -1,0 +1,62 @@
+"""Where matrix products run. ``HostDevice`` computes on the CPU with the Numba kernels, straight from
+the quantized rows; a CUDA device will implement the same interface."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numba
+import numpy as np
+
+from strata_async.kernels import expert_pool, quant
+
+from .weights import QTensor
+
+
+class Device(Protocol):
+    name: str
+
+    def activate(self) -> None:
+        """Prepare the calling thread to compute on this device (called at the start of each forward)."""
+
+    def linear(self, x: np.ndarray, w: QTensor) -> np.ndarray:
+        """x [n, k] float32 times the matrix w [rows, k] transposed -> float32 [n, rows]."""
+
+    def swiglu_experts(self, x: np.ndarray, gate: QTensor, up: QTensor, down: QTensor, ids: np.ndarray,
+                       weights: np.ndarray, out: np.ndarray) -> bool:
+        """out [hidden] += sum_j weights[j] * SwiGLU expert ids[j] of one token x [hidden], all experts in one
+        call. gate/up/down: 3-D expert tensors. Returns False (out untouched) where the device has no such path."""
+
+
+class HostDevice:
+    name = "host"
+
+    def __init__(self, threads: int | None = None, quantized_activations: bool = False):
+        if threads is not None and not 1 <= threads <= numba.config.NUMBA_NUM_THREADS:
+            raise ValueError(f"threads must be between 1 and {numba.config.NUMBA_NUM_THREADS} "
+                             f"(the CPU threads Numba may use), got {threads}")
+        self.threads = threads
+        # Round activations as ggml does before its integer dot products (to compare with llama.cpp).
+        self.quantized_activations = quantized_activations
+
+    def activate(self) -> None:
+        # Numba's thread count is per calling thread, so it is set by whichever thread runs the model.
+        if self.threads is not None:
+            numba.set_num_threads(self.threads)
+
+    def linear(self, x: np.ndarray, w: QTensor) -> np.ndarray:
+        if w.data.ndim != 2:
+            raise ValueError(f"linear needs a 2-D weight; '{w.name}' has shape {w.shape} (pick an expert first)")
+        if x.ndim != 2 or x.shape[1] != w.row_len:
+            raise ValueError(f"linear with '{w.name}' ({w.rows} x {w.row_len}) got input of shape {x.shape}")
+        if x.shape[0] == 1:  # decode: one matrix-vector product, no tile decoding
+            return quant.matvec(w.data, w.ggml_type, x[0], self.quantized_activations)[None, :]
+        return quant.matmul(w.data, w.ggml_type, x, self.quantized_activations)
+
+    def swiglu_experts(self, x: np.ndarray, gate: QTensor, up: QTensor, down: QTensor, ids: np.ndarray,
+                       weights: np.ndarray, out: np.ndarray) -> bool:
+        if self.quantized_activations:  # the pool dots float activations; ggml's rounding goes through linear
+            return False
+        expert_pool.swiglu_experts(gate.data, gate.ggml_type, up.data, up.ggml_type, down.data, down.ggml_type,
+                                   x, ids, weights, out)
+        return True

@@ -1,0 +1,67 @@
+"""Layers shared by the architectures: norms, projections, RoPE, attention over a KV cache, SwiGLU.
+
+Activations are float32 [n_tokens, ...]. Matrix products go through the ``Device``; everything else calls
+the CPU kernels. Architecture files build their forward from these functions and never call kernels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from strata_async.kernels import attention as attention_kernels
+from strata_async.kernels import norms
+
+from .device import Device
+from .state import KVCache
+from .weights import QTensor
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis of x [n, d] or x [n, heads, d] (w as GGUF stores it)."""
+    x = np.ascontiguousarray(x, np.float32)
+    return norms.rmsnorm(x, w, eps) if x.ndim == 2 else norms.rmsnorm_heads(x, w, eps)
+
+
+def gated_rmsnorm(x: np.ndarray, gate: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """rmsnorm(x) * w * silu(gate) per head; x, gate [n, heads, d]."""
+    return norms.gated_rmsnorm(np.ascontiguousarray(x), np.ascontiguousarray(gate), w, eps)
+
+
+def l2norm(x: np.ndarray) -> np.ndarray:
+    """x / sqrt(sum(x^2) + 1e-6) per head; x [n, heads, d]."""
+    return norms.l2norm(np.ascontiguousarray(x))
+
+
+def linear(dev: Device, x: np.ndarray, w: QTensor) -> np.ndarray:
+    """x [n, k] @ w.T -> [n, rows]."""
+    return dev.linear(x, w)
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    e = np.exp(-np.abs(x))  # never overflows, unlike exp(-x) for large negative x
+    return np.where(x >= 0, np.float32(1.0) / (np.float32(1.0) + e), e / (np.float32(1.0) + e))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x * sigmoid(x)
+
+
+def swiglu(dev: Device, x: np.ndarray, gate: QTensor, up: QTensor, down: QTensor) -> np.ndarray:
+    """down(silu(gate(x)) * up(x))."""
+    return dev.linear(silu(dev.linear(x, gate)) * dev.linear(x, up), down)
+
+
+def rope(x: np.ndarray, positions: np.ndarray, theta: float, rot_dim: int) -> np.ndarray:
+    """NEOX rotary embedding of the first rot_dim dims of each head (pairs i, i + rot_dim/2); x [n, heads, d]."""
+    return attention_kernels.rope(np.ascontiguousarray(x), positions, theta, rot_dim)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, cache: KVCache, scale: float) -> np.ndarray:
+    """Causal attention of n new tokens over the cached positions plus themselves (GQA).
+
+    q [n, heads, d]; k, v [n, kv_heads, d] are appended to the cache first. Returns [n, heads * d].
+    """
+    n = q.shape[0]
+    cache.append(k, v)
+    out = attention_kernels.attend(np.ascontiguousarray(q), cache.k, cache.v, cache.length - n, scale)
+    return out.reshape(n, -1)

@@ -1,0 +1,111 @@
+"""Open a GGUF model and run it: ``load_runtime`` and ``Runtime``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import numpy as np
+
+from strata_async.io import GGUFFile, open_gguf
+
+from .archs import ArchModel, model_class
+from .config import ModelConfig
+from .device import Device, HostDevice
+from .state import SequenceState
+from .weights import WeightStore
+
+UserDebugHook = Callable[[str, int, np.ndarray], None]
+
+
+class Runtime:
+    """A loaded model: feed it tokens, get logits; each sequence's memory lives in its own state."""
+
+    def __init__(self, gguf: GGUFFile, model: ArchModel, device: Device, prefill_chunk: int, max_context: int,
+                 debug_hook: UserDebugHook | None = None):
+        self.gguf = gguf
+        self.config: ModelConfig = model.config
+        self.device = device
+        self.prefill_chunk = prefill_chunk
+        self.max_context = max_context
+        self._model = model
+        self._hook = _passthrough(debug_hook)
+
+    def new_state(self) -> SequenceState:
+        return self._model.new_state(self.max_context)
+
+    def forward(self, state: SequenceState, token_ids: np.ndarray, all_logits: bool = True) -> np.ndarray:
+        """Logits float32 [n, vocab] for every token (all_logits) or [1, vocab] for the last one.
+
+        The tokens continue the sequence held by ``state``, which advances past them. A prompt runs in chunks
+        of ``prefill_chunk`` tokens (matrix-matrix products); a single token is a decode step.
+        """
+        tokens = self._check_tokens(state, token_ids)
+        self.device.activate()
+        logits = []
+        for start in range(0, len(tokens), self.prefill_chunk):
+            chunk = tokens[start: start + self.prefill_chunk]
+            hidden = self._model.forward(state, chunk, self._hook)
+            state.position += len(chunk)
+            if all_logits:
+                logits.append(self._model.logits(hidden))
+            elif start + len(chunk) == len(tokens):
+                logits.append(self._model.logits(hidden[-1:]))
+        return np.concatenate(logits) if len(logits) > 1 else logits[0]
+
+    def _check_tokens(self, state: SequenceState, token_ids: np.ndarray) -> np.ndarray:
+        tokens = np.asarray(token_ids)
+        if tokens.ndim != 1 or not (np.issubdtype(tokens.dtype, np.integer) or tokens.size == 0):
+            raise ValueError(f"token_ids must be a 1-D array of integer token ids, got {tokens.dtype} {tokens.shape}")
+        if tokens.size == 0:
+            raise ValueError("token_ids is empty: give at least one token")
+        bad = np.flatnonzero((tokens < 0) | (tokens >= self.config.vocab_size))
+        if bad.size:
+            raise ValueError(f"token id {int(tokens[bad[0]])} at index {int(bad[0])} is outside the vocabulary "
+                             f"[0, {self.config.vocab_size})")
+        if state.position + tokens.size > state.max_context:
+            raise ValueError(f"{tokens.size} tokens at position {state.position} exceed the context of "
+                             f"{state.max_context} tokens; shorten the prompt or start a new sequence")
+        return tokens.astype(np.int64)
+
+
+def _passthrough(debug_hook: UserDebugHook | None) -> Callable[[str, int, np.ndarray], np.ndarray]:
+    if debug_hook is None:
+        return lambda name, layer, tensor: tensor
+
+    def hook(name: str, layer: int, tensor: np.ndarray) -> np.ndarray:
+        debug_hook(name, layer, tensor)
+        return tensor
+
+    return hook
+
+
+def load_runtime(path: str | os.PathLike[str], *, threads: int | None = None, quantized_activations: bool = False,
+                 prefill_chunk: int = 256, max_context: int | None = None,
+                 debug_hook: UserDebugHook | None = None) -> Runtime:
+    """Open the GGUF model at ``path`` (any shard of a split model) for CPU inference.
+
+    threads: CPU threads for the kernels (default: Numba's); quantized_activations: round activations as
+    ggml does before quantized dot products; prefill_chunk: prompt tokens per forward step; max_context:
+    positions a sequence may hold (default and upper bound: the model's context length); debug_hook:
+    called as debug_hook(name, layer, tensor) with named intermediate activations.
+    """
+    if prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
+    gguf = open_gguf(path)
+    try:
+        arch = gguf.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise ValueError(f"{gguf.path}: GGUF metadata has no general.architecture; not a model file")
+        device = HostDevice(threads=threads, quantized_activations=quantized_activations)
+        model = model_class(arch)(WeightStore(gguf), device)
+        limit = model.config.context_length
+        if max_context is None:
+            max_context = limit
+        if not 1 <= max_context <= limit:
+            raise ValueError(f"max_context must be between 1 and the model's context length {limit}, "
+                             f"got {max_context}")
+        return Runtime(gguf, model, device, prefill_chunk, max_context, debug_hook)
+    except BaseException:
+        gguf.close()
+        raise

@@ -1,0 +1,93 @@
+"""Mixture-of-Experts: routing and the one dispatch point where selected experts are computed.
+
+``route_softmax_topk`` turns router logits into each token's experts and weights. ``moe_ffn`` takes a
+layer's expert weights, the hidden states and those choices, groups the tokens by expert, runs each
+selected expert's SwiGLU on its own 2-D slices through the device, and sums the weighted results (plus
+the shared expert, if the layer has one). Deciding where each expert runs is this module's business
+alone: architecture files only call ``moe_ffn``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .device import Device
+from .layers import sigmoid, swiglu
+from .weights import QTensor
+
+
+@dataclass(frozen=True)
+class RoutedExperts:
+    gate: QTensor  # [n_experts, expert_ffn, hidden]
+    up: QTensor  # [n_experts, expert_ffn, hidden]
+    down: QTensor  # [n_experts, hidden, expert_ffn]
+
+
+@dataclass(frozen=True)
+class SharedExpert:
+    gate: QTensor  # [shared_ffn, hidden]
+    up: QTensor  # [shared_ffn, hidden]
+    down: QTensor  # [hidden, shared_ffn]
+    gate_inp: QTensor | None  # [1, hidden]: the output is scaled by sigmoid(gate_inp . x); None: unscaled
+
+
+def route_softmax_topk(logits: np.ndarray, k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax over experts, keep the k largest per token, optionally renormalised to sum to 1.
+
+    logits [n, n_experts] -> (expert ids [n, k] int64, weights [n, k] float32), largest first.
+    """
+    z = logits - logits.max(axis=-1, keepdims=True)
+    probs = np.exp(z)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    weights = np.take_along_axis(probs, ids, axis=-1)
+    if normalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return ids, weights.astype(np.float32)
+
+
+def _moe_decode(dev: Device, x: np.ndarray, experts: RoutedExperts, ids: np.ndarray, weights: np.ndarray,
+                shared: SharedExpert | None, out: np.ndarray) -> bool:
+    """One token: the selected experts and the shared expert each in one device call (the expert pool).
+    Returns False, out untouched, where the device has no pooled path."""
+    if not dev.swiglu_experts(x[0], experts.gate, experts.up, experts.down, ids[0], weights[0], out):
+        return False
+    if shared is not None:
+        scale = np.ones(1, np.float32)
+        if shared.gate_inp is not None:
+            scale = sigmoid(dev.linear(x, shared.gate_inp))[0]
+        dev.swiglu_experts(x[0], _as_pool(shared.gate), _as_pool(shared.up), _as_pool(shared.down),
+                           np.zeros(1, np.int64), scale, out)
+    return True
+
+
+def _as_pool(w: QTensor) -> QTensor:
+    """A 2-D matrix as a 3-D expert tensor of one expert (a view)."""
+    return QTensor(w.name, w.ggml_type, (1, *w.shape), w.data.reshape(1, *w.data.shape))
+
+
+def moe_ffn(dev: Device, x: np.ndarray, experts: RoutedExperts, ids: np.ndarray, weights: np.ndarray,
+            shared: SharedExpert | None = None) -> np.ndarray:
+    """sum_j weights[:, j] * expert_{ids[:, j]}(x) (+ the gated shared expert); x [n, hidden] -> [n, hidden]."""
+    n, k = ids.shape
+    out = np.zeros_like(x)
+    if n == 1 and _moe_decode(dev, x, experts, ids, weights, shared, out[0]):
+        return out
+    # Sort the (token, slot) pairs by expert: each expert then sees one contiguous group of tokens.
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    expert_of, starts = np.unique(flat[order], return_index=True)
+    ends = np.append(starts[1:], len(order))
+    for e, start, end in zip(expert_of.tolist(), starts.tolist(), ends.tolist()):
+        pairs = order[start:end]
+        tokens = pairs // k  # distinct: a token picks an expert at most once
+        y = swiglu(dev, x[tokens], experts.gate.expert(e), experts.up.expert(e), experts.down.expert(e))
+        out[tokens] += y * weights.reshape(-1)[pairs][:, None]
+    if shared is not None:
+        y = swiglu(dev, x, shared.gate, shared.up, shared.down)
+        if shared.gate_inp is not None:
+            y *= sigmoid(dev.linear(x, shared.gate_inp))
+        out += y
+    return out
