@@ -1,0 +1,234 @@
+"""The `strata-async` command line: `run` a prompt through a model, `inspect` a model file.
+
+User errors (a missing or malformed file, an unsupported architecture, a bad option) end the command with
+one line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from . import __version__
+
+if TYPE_CHECKING:
+    from .model_info import ModelInfo
+
+EXIT_USER_ERROR = 2
+GIB = 1 << 30
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.command(args)
+    except (OSError, ValueError) as e:  # GGUFError, TokenizerError, unsupported architecture... are ValueErrors
+        print(f"strata-async: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="strata-async",
+        description="Run huge sparse Mixture-of-Experts language models (GGUF files) on one PC.",
+        epilog="Without MODEL, the embedded default model is used: a small qwen3next with random weights, "
+               "built into $STRATA_ASYNC_HOME (default ~/.cache/strata-async) on first use. Its output is "
+               "meaningless; it is there to try the engine out.",
+    )
+    parser.add_argument("--version", action="version", version=f"strata-async {__version__}")
+    commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
+
+    run = commands.add_parser(
+        "run", help="generate text from a prompt",
+        description="Generate a continuation of --prompt, streaming it to stdout; speeds go to stderr.")
+    run.set_defaults(command=_run)
+    run.add_argument("model", nargs="?", metavar="MODEL", help="GGUF file (any shard of a split model)")
+    run.add_argument("-p", "--prompt", required=True, help="prompt text (control tokens like <|im_start|> are parsed)")
+    run.add_argument("-n", "--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    run.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    run.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens, 0 = off (default 40)")
+    run.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling, 1 = off (default 0.95)")
+    run.add_argument("--min-p", type=float, default=0.05,
+                     help="drop tokens less likely than min-p x the most likely one, 0 = off (default 0.05)")
+    run.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off (default 1.0)")
+    run.add_argument("--seed", type=int, help="random seed for reproducible sampling")
+    run.add_argument("--stop", nargs="+", default=[], metavar="STR",
+                     help="stop before any of these strings (they are not printed)")
+    run.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens")
+    run.add_argument("--chat", action="store_true",
+                     help="wrap the prompt as a user message in the model's chat template")
+    run.add_argument("-t", "--threads", type=int, help="CPU threads (default: all)")
+    run.add_argument("--max-context", type=int, help="most tokens (prompt + output) a sequence may hold "
+                                                     "(default: the model's context length)")
+    run.add_argument("--json", action="store_true",
+                     help="print one JSON object (text, token_ids, finish_reason, timings) instead of streaming")
+
+    inspect = commands.add_parser(
+        "inspect", help="show a model's architecture, sizes and where each part would be placed",
+        description="Show a model's architecture and sizes, and the placement table: the bytes of each part "
+                    "and the tier that holds it on the CPU-only engine and in the GPU plan.")
+    inspect.set_defaults(command=_inspect)
+    inspect.add_argument("model", nargs="?", metavar="MODEL", help="GGUF file (any shard of a split model)")
+    inspect.add_argument("--vram-gb", type=float, metavar="X",
+                         help="VRAM budget in GiB for the GPU plan (a '24 GB' card holds 24 GiB)")
+    inspect.add_argument("--json", action="store_true", help="print one JSON object")
+
+    from .cli_serve import add_commands
+
+    add_commands(commands)
+    return parser
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# run
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .model import load  # the runtime's kernels load here, not for --help
+    from .sampling import SamplingParams
+
+    # Mistakes in the options are reported before a possibly long model load.
+    if not args.prompt:
+        raise ValueError("the prompt is empty: give some text with --prompt")
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                              repetition_penalty=args.repetition_penalty, seed=args.seed)
+    path = _model_path(args.model)
+    _note(f"loading {path} ({_size_of(path)}) ...")
+    started = time.perf_counter()
+    model = load(path, threads=args.threads, max_context=args.max_context)
+    with model:
+        _note(f"loaded {model.name} in {time.perf_counter() - started:.1f} s")
+        prompt = model.chat_prompt(args.prompt) if args.chat else args.prompt
+        events = model.generate(prompt, max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
+                                **asdict(sampling))
+        texts, token_ids = [], []
+        for event in events:
+            if event.token_id is not None:
+                token_ids.append(event.token_id)
+            texts.append(event.text)
+            if not args.json and event.text:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+        timings = event.timings
+        if args.json:
+            result = {"model": model.name, "text": "".join(texts), "token_ids": token_ids,
+                      "finish_reason": event.finish_reason, "timings": asdict(timings)}
+            sys.stdout.buffer.write(orjson.dumps(result) + b"\n")
+            sys.stdout.flush()
+        else:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            _note(f"prompt: {timings.prompt_tokens} tokens, {timings.prefill_tok_s:.1f} tok/s | "
+                  f"decode: {timings.generated_tokens} tokens, {timings.decode_tok_s:.1f} tok/s | "
+                  f"first token after {timings.ttft_s:.2f} s | finish: {event.finish_reason}")
+    return 0
+
+
+def _model_path(model: str | None) -> Path:
+    """The model file to use; without one, the default model (said to be random weights on stderr)."""
+    if model is not None:
+        return Path(model)
+    from .default_model import default_model_path
+
+    _note("no MODEL given: using the embedded default model, a qwen3next with RANDOM WEIGHTS (not trained); "
+          "its output is meaningless")
+    return default_model_path()
+
+
+def _size_of(path: Path) -> str:
+    from .model_info import format_bytes
+
+    return format_bytes(path.stat().st_size) if path.is_file() else "?"
+
+
+def _note(message: str) -> None:
+    print(f"strata-async: {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# inspect
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .io import open_gguf
+    from .model_info import describe
+
+    if args.vram_gb is not None and args.vram_gb < 0:
+        raise ValueError(f"--vram-gb must be >= 0, got {args.vram_gb}")
+    vram = None if args.vram_gb is None else int(args.vram_gb * GIB)
+    with open_gguf(_model_path(args.model)) as gguf:
+        info = describe(gguf, vram)
+    if args.json:
+        sys.stdout.buffer.write(orjson.dumps(_info_json(info), option=orjson.OPT_INDENT_2) + b"\n")
+    else:
+        print(_info_text(info))
+    return 0
+
+
+def _info_json(info: ModelInfo) -> dict[str, Any]:
+    table = info.placement
+    out = asdict(info)
+    out["placement"] = {
+        "rows": [asdict(r) for r in table.rows],
+        "total_bytes": table.total_bytes,
+        "vram_budget": table.vram_budget,
+        "vram_required": table.vram_required,
+        "fits_vram": table.fits_vram,
+        "expert_cache_bytes": table.expert_cache_bytes,
+        "routed_expert_bytes": table.routed_expert_bytes,
+    }
+    return out
+
+
+def _info_text(info: ModelInfo) -> str:
+    from .model_info import format_bytes, format_count
+
+    c, table = info.config, info.placement
+    mtp = f" (+{info.n_mtp_layers} MTP)" if info.n_mtp_layers else ""
+    lines = [info.name]
+    if info.random_weights:
+        lines.append("  RANDOM WEIGHTS, not trained: its output is meaningless")
+    lines += [
+        f"  file          {info.path} ({format_bytes(info.file_bytes)})",
+        f"  architecture  {c.arch}",
+        f"  layers        {c.n_layers}{mtp}, hidden {c.hidden}, vocab {c.vocab_size}, context {c.context_length}",
+        f"  attention     {c.n_heads} heads, {c.n_kv_heads} KV heads, head dim {c.head_dim}",
+        f"  experts       {c.n_experts} routed, {c.n_experts_used} active per token, expert FFN {c.expert_ffn}",
+        f"  parameters    {format_count(info.total_params)} total, ~{format_count(info.active_params)} "
+        f"active per token",
+        "  tensor types  " + ", ".join(f"{t.ggml_type} x{t.n_tensors} ({format_bytes(t.nbytes)})"
+                                      for t in info.tensor_types),
+        "",
+        f"  {'part':<16}{'tensors':>8}{'size':>12}  {'CPU engine':<17}GPU plan",
+    ]
+    for r in table.rows:
+        lines.append(f"  {r.part:<16}{r.n_tensors:>8}{format_bytes(r.nbytes):>12}  {r.cpu_tier:<17}{r.gpu_tier}")
+    lines.append(f"  {'total':<16}{sum(r.n_tensors for r in table.rows):>8}{format_bytes(table.total_bytes):>12}")
+    lines.append("")
+    lines.append(f"  GPU plan: {format_bytes(table.vram_required)} always in VRAM (plus KV cache and activations)")
+    if table.vram_budget is not None:
+        budget = format_bytes(table.vram_budget)
+        if table.fits_vram:
+            share = table.expert_cache_bytes / table.routed_expert_bytes if table.routed_expert_bytes else 1.0
+            lines.append(f"  with {budget} of VRAM the expert cache holds {format_bytes(table.expert_cache_bytes)} "
+                         f"of routed experts ({share:.0%})")
+        else:
+            lines.append(f"  does NOT fit {budget} of VRAM: the always-in-VRAM parts need "
+                         f"{format_bytes(table.vram_required)}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""The command line, run as a user runs it (a subprocess): run --json on the default model, inspect's table,
+and one-line errors with exit status 2 for user mistakes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import orjson
+import pytest
+
+from strata_async.default_model import build_default_model
+from strata_async.io import write_gguf
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    """A private STRATA_ASYNC_HOME holding the default model (built there as on first use)."""
+    path = tmp_path_factory.mktemp("home")
+    from strata_async.default_model import DEFAULT_MODEL_VERSION
+
+    build_default_model(path / f"default-qwen3next-v{DEFAULT_MODEL_VERSION}.gguf")
+    return path
+
+
+def cli(home, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "STRATA_ASYNC_HOME": str(home)}
+    return subprocess.run([sys.executable, "-m", "strata_async.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=600)
+
+
+@pytest.mark.slow
+def test_run_json_on_the_default_model(home):
+    proc = cli(home, "run", "--prompt", "hi", "--max-tokens", "8", "--json", "--seed", "5")
+    assert proc.returncode == 0, proc.stderr
+    result = orjson.loads(proc.stdout)
+    assert set(result) >= {"text", "token_ids", "finish_reason", "timings"}
+    assert 1 <= len(result["token_ids"]) <= 8
+    assert result["finish_reason"] in ("stop", "length")
+    assert result["finish_reason"] == "stop" or len(result["token_ids"]) == 8
+    timings = result["timings"]
+    assert timings["prompt_tokens"] >= 1 and timings["prefill_tok_s"] > 0 and timings["ttft_s"] > 0
+    assert timings["generated_tokens"] == len(result["token_ids"])
+    assert {"decode_tok_s", "prefill_tok_s", "ttft_s", "prompt_tokens"} <= set(timings)
+    assert "random weights" in proc.stderr.lower()
+    assert "Traceback" not in proc.stderr
+
+
+def test_inspect_shows_architecture_and_placement_table(home):
+    proc = cli(home, "inspect", "--vram-gb", "24")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "random weights" in out.lower() and "random weights" in proc.stderr.lower()
+    for needle in ("qwen3next", "layers        4 (+1 MTP)", "16 routed, 4 active", "Q8_0", "vocab 896"):
+        assert needle in out, needle
+    for part, cpu, gpu in (("dense", "host RAM", "VRAM"), ("routed experts", "host RAM", "pinned host RAM"),
+                           ("embeddings", "host RAM", "host RAM"), ("MTP layer", "host RAM", "VRAM")):
+        line = next(line for line in out.splitlines() if line.strip().startswith(part))
+        assert cpu in line and line.rstrip().endswith(gpu), line
+    assert "expert cache holds" in out and "(100%)" in out
+
+
+def test_inspect_json(home):
+    proc = cli(home, "inspect", "--json", "--vram-gb", "0.0001")
+    assert proc.returncode == 0, proc.stderr
+    info = orjson.loads(proc.stdout)
+    assert info["config"]["arch"] == "qwen3next" and info["random_weights"] is True
+    table = info["placement"]
+    assert sum(r["nbytes"] for r in table["rows"]) == table["total_bytes"]
+    assert table["fits_vram"] is False and table["vram_budget"] == int(0.0001 * (1 << 30))
+
+
+def test_help_describes_commands(home):
+    proc = cli(home, "--help")
+    assert proc.returncode == 0 and "run" in proc.stdout and "inspect" in proc.stdout
+    proc = cli(home, "run", "--help")
+    assert proc.returncode == 0 and "--temperature" in proc.stdout and "--stop" in proc.stdout
+
+
+def _assert_user_error(proc: subprocess.CompletedProcess, fragment: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("strata-async: error:") and fragment in last, last
+
+
+def test_missing_file(home, tmp_path):
+    _assert_user_error(cli(home, "inspect", str(tmp_path / "nope.gguf")), "No such file")
+    _assert_user_error(cli(home, "run", str(tmp_path / "nope.gguf"), "--prompt", "x"), "No such file")
+
+
+def test_not_a_gguf_file(home, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(np.random.default_rng().integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    _assert_user_error(cli(home, "inspect", str(bad)), "not a GGUF file")
+
+
+def test_unknown_architecture(home, tmp_path):
+    path = tmp_path / "other.gguf"
+    write_gguf(path, {"general.architecture": "mamba9"}, [("token_embd.weight", 0, (4, 32), np.ones((4, 32), np.float32))])
+    _assert_user_error(cli(home, "inspect", str(path)), "mamba9")
+    _assert_user_error(cli(home, "run", str(path), "--prompt", "x"), "mamba9")
+
+
+def test_bad_options(home):
+    _assert_user_error(cli(home, "run", "--prompt", "", "--max-tokens", "2"), "prompt is empty")
+    _assert_user_error(cli(home, "run", "--prompt", "hi", "--temperature", "-1"), "temperature")
+    _assert_user_error(cli(home, "inspect", "--vram-gb", "-3"), "--vram-gb")
+    proc = cli(home, "run")  # argparse: --prompt is required
+    assert proc.returncode == 2 and "--prompt" in proc.stderr
