@@ -200,6 +200,19 @@ _SPECIAL_ID_KEYS = {
     "fim_pad_id": K.FIM_PAD_ID, "fim_rep_id": K.FIM_REP_ID, "fim_sep_id": K.FIM_SEP_ID,
 }
 _DEPRECATED_FIM_KEYS = {"fim_pre_id": K.PREFIX_ID, "fim_suf_id": K.SUFFIX_ID, "fim_mid_id": K.MIDDLE_ID}
+# Fill-in-the-middle tokens found by their text when the metadata names none, as llama.cpp does: real
+# Qwen GGUFs carry no fim ids, yet their vocabularies hold <|fim_prefix|> and friends.
+_FIM_TEXTS = {
+    "fim_pre_id": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>", "<PRE>",
+                   "\u2581<PRE>", "<|code_prefix|>", "<|prefix|>"),
+    "fim_suf_id": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>", "<SUF>",
+                   "\u2581<SUF>", "<|code_suffix|>", "<|suffix|>"),
+    "fim_mid_id": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>", "<MID>",
+                   "\u2581<MID>", "<|code_middle|>", "<|middle|>"),
+    "fim_pad_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "fim_rep_id": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep_id": ("<|file_sep|>",),
+}
 
 
 def _literal_alternation(texts: Iterable[str]) -> re.Pattern[str] | None:
@@ -283,6 +296,7 @@ class Tokenizer:
         for attr, key in _SPECIAL_ID_KEYS.items():
             value = metadata.get(key, metadata.get(_DEPRECATED_FIM_KEYS.get(attr, ""), None))
             setattr(self, attr, int(value) if value is not None and 0 <= int(value) < n else None)
+        self._find_fim_tokens_by_text(tokens)
         self.add_bos = bool(metadata.get(K.ADD_BOS, pre.add_bos))
         self.add_eos = bool(metadata.get(K.ADD_EOS, False))
         if self.add_bos and self.bos_id is None:
@@ -295,6 +309,16 @@ class Tokenizer:
 
         self.chat_template: str | None = metadata.get(K.CHAT_TEMPLATE)
         self._compiled_template: tuple[str, jinja2.Template] | None = None
+
+    def _find_fim_tokens_by_text(self, tokens: list[str]) -> None:
+        missing = {attr: texts for attr, texts in _FIM_TEXTS.items() if getattr(self, attr) is None}
+        wanted = {t for texts in missing.values() for t in texts}
+        if not wanted:
+            return
+        found = {t: i for i, t in enumerate(tokens) if t in wanted}
+        for attr, texts in missing.items():
+            # The first name in llama.cpp's order that the vocabulary holds.
+            setattr(self, attr, next((found[t] for t in texts if t in found), None))
 
     @staticmethod
     def _bpe_vocab(tokens: list[str], types: np.ndarray, special_ids: list[int]) -> dict[str, int]:

@@ -200,6 +200,22 @@ def test_special_token_ids_and_kinds():
     assert {151662, 151663, 151664} <= fim.eog_ids
 
 
+def test_fim_tokens_are_found_by_their_text_when_metadata_names_none():
+    # Real Qwen GGUFs name no FIM ids; llama.cpp then finds <|fim_prefix|> and friends by their text.
+    meta = dict(metadata("qwen2"))
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    names = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
+    for i, name in enumerate(names):
+        tokens[151659 + i] = name
+    meta["tokenizer.ggml.tokens"] = tokens
+    tok = Tokenizer.from_metadata(meta)
+    assert (tok.fim_pre_id, tok.fim_mid_id, tok.fim_suf_id) == (151659, 151660, 151661)
+    assert (tok.fim_pad_id, tok.fim_rep_id, tok.fim_sep_id) == (151662, 151663, 151664)
+    assert {151662, 151663, 151664} <= tok.eog_ids
+    meta["tokenizer.ggml.fim_pre_token_id"] = 151661  # a named id wins over the text search
+    assert Tokenizer.from_metadata(meta).fim_pre_id == 151661
+
+
 def test_bos_and_eos_are_added_as_the_model_asks():
     assert tokenizer("qwen2").encode("Hi") == tokenizer("qwen2").encode("Hi", add_special=False)
     llama = tokenizer("llama-bpe")  # llama3 pre-tokenizer: BOS by default
