@@ -38,7 +38,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 import strata_async
 from strata_async import protocol
 from strata_async.client import Client, ServerError, TokenEvent
-from strata_async.engine import Engine, EngineConfig, Job, fim_prompt
+from strata_async.engine import Engine, EngineConfig, Job, NoFIM, fim_prompt
 from strata_async.sampling import SamplingParams
 from strata_async.server import Server, ServerConfig
 from strata_async.tokenizer import Tokenizer
@@ -576,12 +576,11 @@ def test_complete_and_chat_commands(server, model):
 # ---- in process: loading, infill, the engine's output rules ------------------------------------------
 
 def fim_model():
-    """The default model, its tokenizer naming the FIM tokens its vocabulary holds (as a GGUF may)."""
+    """The default model: its vocabulary holds Qwen's FIM tokens, which the tokenizer finds by their text."""
     m = strata_async.load()
-    ids = {name: m.encode(f"<|fim_{name}|>") for name in ("prefix", "suffix", "middle")}
-    assert all(len(v) == 1 for v in ids.values())
-    m.tokenizer = Tokenizer({**m.runtime.gguf.metadata, Keys.Tokenizer.FIM_PRE_ID: ids["prefix"][0],
-                             Keys.Tokenizer.FIM_SUF_ID: ids["suffix"][0], Keys.Tokenizer.FIM_MID_ID: ids["middle"][0]})
+    tok = m.tokenizer
+    assert [tok.fim_pre_id, tok.fim_suf_id, tok.fim_mid_id] == [m.encode(f"<|fim_{name}|>")[0]
+                                                                for name in ("prefix", "suffix", "middle")]
     return m
 
 
@@ -653,17 +652,21 @@ def test_health_503_while_loading_then_infill():
     assert done.usage["prompt_tokens"] == len(expected_prompt)
 
 
-def test_infill_without_fim_tokens_is_a_clear_error(server, model):
+def test_infill_over_the_wire_uses_the_fim_prompt(server, model):
     async def scenario():
         async with await Client.connect(server.url, api_key=API_KEY) as client:
-            return await client.infill("a", "b").collect()
+            return await client.infill("a = ", "\nprint(a)", max_tokens=4, temperature=0, ignore_eos=True).collect()
 
-    if None in (model.tokenizer.fim_pre_id, model.tokenizer.fim_suf_id, model.tokenizer.fim_mid_id):
-        with pytest.raises(ServerError) as info:
-            run(scenario())
-        assert info.value.code == "no_fim" and "fill-in-the-middle" in info.value.message
-    else:  # the tokenizer recognises the default model's FIM tokens: infill then works
-        assert run(scenario()).finish_reason in ("stop", "length")
+    done = run(scenario())
+    assert done.finish_reason == "length" and len(done.token_ids) == 4
+    assert done.usage["prompt_tokens"] == len(fim_prompt(model.tokenizer, "a = ", "\nprint(a)", [], 4096))
+
+
+def test_infill_without_fim_tokens_is_a_clear_error(model):
+    md = dict(model.runtime.gguf.metadata)
+    md[Keys.Tokenizer.LIST] = [t.replace("fim_", "nofim_") for t in md[Keys.Tokenizer.LIST]]
+    with pytest.raises(NoFIM, match="fill-in-the-middle"):
+        fim_prompt(Tokenizer(md), "a", "b", [], 4096)
 
 
 def test_engine_pauses_an_unread_stream_and_drops_it_after_the_stall_timeout(model):
