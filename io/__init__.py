@@ -5,3 +5,9 @@ from .gguf_reader import GGUFFile, TensorInfo, open_gguf
 from .gguf_writer import write_gguf, write_gguf_split
 
 __all__ = ["GGUFError", "GGUFFile", "TensorInfo", "open_gguf", "write_gguf", "write_gguf_split"]
+
+# Unbuffered reads and the on-disk Per-Layer-Embedding rows built on them.
+from .direct_reader import DirectReader, ReadError  # noqa: E402
+from .ple_rows import PLERowSource, PLEStats  # noqa: E402
+
+__all__ += ["DirectReader", "ReadError", "PLERowSource", "PLEStats"]
