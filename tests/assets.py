@@ -552,3 +552,19 @@ def hf_greedy(model_dir: Path, prompt_ids: Sequence[int], n_new: int) -> list[in
             if len(generated) < n_new:
                 out = model(input_ids=torch.tensor([[generated[-1]]]), cache=out.cache, use_cache=True)
     return generated
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# random inputs: a fresh seed every run (tests never run on fixed or zero data)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def fresh_rng() -> tuple[np.random.Generator, int]:
+    """A generator with a new seed, and the seed (print it in a failure message to replay the case)."""
+    seed = int.from_bytes(os.urandom(8), "little")
+    return np.random.default_rng(seed), seed
+
+
+def randn(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
+    """float32 normal samples of the given shape."""
+    return (rng.standard_normal(shape) * scale).astype(np.float32)

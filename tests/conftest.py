@@ -83,3 +83,11 @@ def hf_reference_logits() -> Callable:
 def hf_greedy() -> Callable:
     """hf_greedy(model_dir, prompt_ids, n_new) -> n_new greedy token ids from transformers (see assets)."""
     return assets.hf_greedy
+
+
+@pytest.fixture
+def rng():
+    """A generator with a fresh seed each run (printed, so a failure can be replayed)."""
+    rng, seed = assets.fresh_rng()
+    print(f"random seed: {seed}")
+    return rng

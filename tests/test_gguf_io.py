@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import struct
 import time
 from pathlib import Path
@@ -10,7 +9,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from assets import llama_cpp_dir
+from assets import fresh_rng, llama_cpp_dir
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 
@@ -18,11 +17,6 @@ from strata_async.io import GGUFError, open_gguf, write_gguf, write_gguf_split
 from strata_async.io.ggml_types import Q2_0, TYPE_SIZES, tensor_nbytes, type_name
 
 VOCAB_OPEN_LIMIT_S = 1.0
-
-
-def fresh_rng() -> tuple[np.random.Generator, int]:
-    seed = int.from_bytes(os.urandom(4), "little")
-    return np.random.default_rng(seed), seed
 
 
 def assert_matches_gguf_py(path: Path, ours) -> None:

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from assets import randn
 import torch
 from transformers import Qwen3NextConfig
 from transformers.models.qwen3_next.modeling_qwen3_next import (
@@ -28,17 +29,6 @@ from strata_async.kernels.reference import attend_ref, rope_ref
 
 F64_TOL = 1e-5
 HF_TOL = 2e-5
-
-
-@pytest.fixture
-def rng() -> np.random.Generator:
-    seed = np.random.SeedSequence().entropy
-    print(f"random seed: {seed}")
-    return np.random.default_rng(seed)
-
-
-def randn(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
-    return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
 def hf_attention(q, k_cache, v_cache, start_pos, scale):

@@ -11,6 +11,7 @@ two forms of the rule.
 
 import numpy as np
 import pytest
+from assets import randn
 import torch
 import torch.nn.functional as F
 from transformers import Qwen3NextConfig
@@ -34,17 +35,6 @@ from strata_async.kernels.reference import causal_conv1d_ref, gated_delta_rule_r
 F64_TOL = 5e-6
 HF_TOL = 3e-5
 SELF_TOL = 5e-6
-
-
-@pytest.fixture
-def rng() -> np.random.Generator:
-    seed = np.random.SeedSequence().entropy
-    print(f"random seed: {seed}")
-    return np.random.default_rng(seed)
-
-
-def randn(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
-    return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
 def random_rule_inputs(rng, n, hk, hv, dk, dv):

@@ -7,6 +7,7 @@ transformers' float32 modules, 1e-5.
 
 import numpy as np
 import pytest
+from assets import randn
 import torch
 from transformers.models.qwen3_next.modeling_qwen3_next import (
     Qwen3NextRMSNorm,
@@ -19,17 +20,6 @@ from strata_async.kernels.reference import gated_rmsnorm_ref, l2norm_ref, rmsnor
 
 F64_TOL = 2e-6
 HF_TOL = 1e-5
-
-
-@pytest.fixture
-def rng() -> np.random.Generator:
-    seed = np.random.SeedSequence().entropy
-    print(f"random seed: {seed}")
-    return np.random.default_rng(seed)
-
-
-def randn(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
-    return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
 def hf_rmsnorm(x: np.ndarray, w_hf: np.ndarray, eps: float) -> np.ndarray:

@@ -61,11 +61,6 @@ def assert_product_close(got: np.ndarray, w64: np.ndarray, x64: np.ndarray) -> N
     assert np.all(err <= REL_TOL * scale), f"max error / S = {np.max(err / scale):.3g}"
 
 
-@pytest.fixture
-def rng() -> np.random.Generator:
-    return np.random.default_rng()
-
-
 @pytest.mark.parametrize("name", IQ_TYPES)
 def test_dequantize_bit_exact_with_gguf(name, rng):
     for shape in [(1, 256), (37, 512), (3, 5, 2048)]:

@@ -36,13 +36,6 @@ SHAPES = [(37, 256), (70, 512), (131, 2048)]
 BATCHES = [1, 2, 3, 4, 5, 6, 7, 33]
 
 
-@pytest.fixture
-def rng() -> np.random.Generator:
-    seed = np.random.SeedSequence().entropy
-    print(f"random seed: {seed}")
-    return np.random.default_rng(seed)
-
-
 def random_blocks(rng: np.random.Generator, ggml_type: int, rows: int, k: int) -> np.ndarray:
     """uint8 [rows, row_bytes]: random code/scale bytes, fp16 super-scales of either sign, 2^-12 .. 2^-2."""
     block_elems, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]

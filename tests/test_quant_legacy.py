@@ -90,11 +90,6 @@ def assert_product_close(got: np.ndarray, w64: np.ndarray, x64: np.ndarray) -> N
     assert np.all(err <= REL_TOL * scale), f"max error / S = {np.max(err / scale):.3g}"
 
 
-@pytest.fixture
-def rng() -> np.random.Generator:
-    return np.random.default_rng()
-
-
 def _ks(name: str) -> list[int]:
     block = BLOCK_ELEMS.get(name, 32)
     return sorted({block, 3 * block if block < 256 else 512, 2048})

@@ -37,7 +37,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 import strata_async
 from strata_async import protocol
-from strata_async.client import Client, ServerError, TokenEvent
+from strata_async.client import Client, TokenEvent
 from strata_async.engine import Engine, EngineConfig, Job, NoFIM, fim_prompt
 from strata_async.sampling import SamplingParams
 from strata_async.server import Server, ServerConfig

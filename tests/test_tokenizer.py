@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 import time
 import unicodedata
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import jinja2
 import numpy as np
 import pytest
-from assets import llama_cpp_dir, qwen2_tokenizer_dir
+from assets import fresh_rng, llama_cpp_dir, qwen2_tokenizer_dir
 from tokenizers import Tokenizer as HFTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.utils.chat_template_utils import render_jinja_template
@@ -44,11 +43,6 @@ def tokenizer(name: str) -> Tokenizer:
 def hf_qwen2() -> HFTokenizer:
     """Hugging Face's tokenizer over the same Qwen2 vocabulary (NFC normalizer: feed it NFC text)."""
     return HFTokenizer.from_file(str(qwen2_tokenizer_dir() / "tokenizer.json"))
-
-
-def fresh_rng() -> tuple[np.random.Generator, int]:
-    seed = int.from_bytes(os.urandom(4), "little")
-    return np.random.default_rng(seed), seed
 
 
 def read_fixture(name: str) -> list[tuple[str, list[int]]]:
