@@ -13,6 +13,7 @@ from .quant_iq import (IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, deq
                        dequant_iq2_s, dequant_iq2_xs, dequant_iq2_xxs, dequant_iq3_s, dequant_iq3_xxs)
 from .quant_k import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, dequant_q2_k, dequant_q3_k, dequant_q4_k, dequant_q5_k, dequant_q6_k
 from .quant_legacy import Q2_0, Q4_0, Q4_1, Q5_0, Q5_1, dequant_q2_0, dequant_q4_0, dequant_q4_1, dequant_q5_0, dequant_q5_1
+from .quant_dot import block_sums32, dot_q4_k, dot_q6_k, dot_q8_0
 from .quant_nl import IQ4_NL, IQ4_XS, MXFP4, dequant_iq4_nl, dequant_iq4_xs, dequant_mxfp4
 from .quant_q8 import Q8_0, dequant_q8_0
 
@@ -91,10 +92,34 @@ def _dot(a, b):
     return acc
 
 
-@numba.njit(parallel=True, nogil=True, cache=True)
+@numba.njit(nogil=True)
+def has_fused_dot(t):
+    """Types whose rows are dotted with the activations straight from the blocks (quant_dot)."""
+    return t == Q8_0 or t == Q4_K or t == Q6_K
+
+
+@numba.njit(inline="always", nogil=True)
+def fused_dot(t, src, x, xsum32):
+    """Dot product of one row of a has_fused_dot type with x (xsum32: x's per-32 sums, from block_sums32)."""
+    if t == Q4_K:
+        return dot_q4_k(src, x, xsum32)
+    if t == Q6_K:
+        return dot_q6_k(src, x)
+    return dot_q8_0(src, x)
+
+
+# fastmath here too: inlined dots take the flags of the function they are compiled into.
+@numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
 def matvec(t, w, x, out):
-    """out = W @ x, W given as rows of ggml blocks; rows decoded one at a time into a scratch row."""
+    """out = W @ x, W given as rows of ggml blocks: fused block dots where the type has them, else each
+    row decoded into a scratch row and dotted."""
     n_rows = w.shape[0]
+    if has_fused_dot(t):
+        xsum32 = np.empty(x.shape[0] // 32, np.float32)
+        block_sums32(x, xsum32)
+        for r in numba.prange(n_rows):
+            out[r] = fused_dot(t, w[r], x, xsum32)
+        return
     # One scratch row per chunk of rows: prange bodies cannot share a buffer.
     n_chunks = min(n_rows, 64)
     per = (n_rows + n_chunks - 1) // n_chunks

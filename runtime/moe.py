@@ -3,8 +3,9 @@
 ``route_softmax_topk`` turns router logits into each token's experts and weights. ``moe_ffn`` takes a
 layer's expert weights, the hidden states and those choices, groups the tokens by expert, runs each
 selected expert's SwiGLU on its own 2-D slices through the device, and sums the weighted results (plus
-the shared expert, if the layer has one). Deciding where each expert runs is this module's business
-alone: architecture files only call ``moe_ffn``.
+the shared expert, if the layer has one). A single token (decode) goes to the device's expert pool
+instead: all its experts in one call, the shared expert in a second, with no per-expert Python. Deciding
+where each expert runs is this module's business alone: architecture files only call ``moe_ffn``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,229 @@
+"""Decode and prefill speed of the CPU engine on a GGUF file, against this machine's memory roofline.
+
+    python bench/bench_decode.py MODEL.gguf [--threads 2] [--decode-tokens 8] [--prompt 512] [--repeats 3]
+
+Measures, all with the same thread count:
+- read bandwidth: numpy sums over a 1 GiB float32 array split over --threads threads (one-thread sum
+  recorded next to it), median of several passes;
+- bytes that must be read per decoded token: every tensor a token touches (mixers, routers, norms,
+  shared experts, output head) in full, the routed experts at top-k / n_experts of their size, one
+  embedding row; the multi-token-prediction block is not run by plain decoding and is not counted;
+- roofline: bandwidth / bytes per token, and the fraction of it the engine reaches;
+- strata-async decode tokens/s (median over single-token steps after a short prompt) and prefill
+  tokens/s on a --prompt-token prompt (median of --prefill-repeats);
+- llama.cpp (llama-cpp-python) on the same file and threads when it is installed, alternating with
+  strata-async repeat by repeat, and the ratio.
+Results: bench/results/decode_<tag>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from strata_async.io import open_gguf
+from strata_async.runtime import load_runtime
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def read_bandwidth(threads: int, passes: int = 5, nbytes: int = 1 << 30) -> dict[str, float]:
+    """Bytes/s this machine reads from RAM: median of `passes` numpy sums over an array bigger than any
+    cache, split over `threads` threads (numpy releases the GIL) and on one thread."""
+    a = np.random.default_rng(0).random(nbytes // 4, dtype=np.float32)
+    parts = np.array_split(a, threads)
+
+    def timed(f) -> float:
+        times = []
+        for _ in range(passes):
+            t = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t)
+        return a.nbytes / float(np.median(times))
+
+    with ThreadPoolExecutor(threads) as pool:
+        parallel = timed(lambda: list(pool.map(np.sum, parts)))
+    return {"parallel_gbps": parallel / 1e9, "numpy_1thread_gbps": timed(lambda: np.sum(a)) / 1e9}
+
+
+def bytes_per_token(path: str) -> dict[str, int]:
+    """Bytes a decoded token must read from the file, by kind of tensor."""
+    with open_gguf(path) as f:
+        md = f.metadata
+        arch = md["general.architecture"]
+        n_layers = int(md[f"{arch}.block_count"]) - int(md.get(f"{arch}.nextn_predict_layers", 0))
+        used, n_experts = int(md[f"{arch}.expert_used_count"]), int(md[f"{arch}.expert_count"])
+        parts = {"routed_experts": 0, "output_head": 0, "embedding_row": 0, "other": 0}
+        for name, t in f.tensors.items():
+            if name.startswith("blk.") and int(name.split(".")[1]) >= n_layers:
+                continue  # multi-token-prediction block: not run by plain decoding
+            if "_exps." in name:
+                parts["routed_experts"] += t.data.nbytes * used // n_experts
+            elif name == "token_embd.weight":
+                parts["embedding_row"] += t.row_bytes
+            elif name == "output.weight":
+                parts["output_head"] += t.data.nbytes
+            else:
+                parts["other"] += t.data.nbytes
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def touch_pages(path: str) -> None:
+    """Read one byte of every 4 KiB page of the file's tensors through a mapping of our own, so the kernel's
+    page cache holds the whole file (as after a while of serving) and first-touch disk reads stay out of
+    the timings. (Each mapping still takes minor faults on first touch; the warm-up decode covers some.)"""
+    with open_gguf(path) as f:
+        for t in f.tensors.values():
+            int(np.asarray(t.data).reshape(-1)[::4096].sum())
+
+
+def strata_decode(rt, prompt: np.ndarray, n_tokens: int) -> list[float]:
+    """Seconds per greedy decode step after prefilling `prompt`."""
+    state = rt.new_state()
+    logits = rt.forward(state, prompt, all_logits=False)
+    times = []
+    for _ in range(n_tokens):
+        token = np.array([int(logits[-1].argmax())])
+        t = time.perf_counter()
+        logits = rt.forward(state, token, all_logits=False)
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def strata_prefill(rt, prompt: np.ndarray) -> float:
+    state = rt.new_state()
+    t = time.perf_counter()
+    rt.forward(state, prompt, all_logits=False)
+    return time.perf_counter() - t
+
+
+class LlamaCpp:
+    """llama.cpp through llama-cpp-python, if installed (the comparison is skipped otherwise)."""
+
+    def __init__(self, path: str, threads: int, n_ctx: int):
+        import llama_cpp  # optional dependency: imported only when asked for
+
+        self.llm = llama_cpp.Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
+                                   n_batch=512, n_gpu_layers=0, verbose=False)
+
+    def decode(self, prompt: np.ndarray, n_tokens: int) -> list[float]:
+        self.llm.reset()
+        self.llm.eval(prompt.tolist())
+        times = []
+        for _ in range(n_tokens):
+            token = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+            t = time.perf_counter()
+            self.llm.eval([token])
+            times.append(time.perf_counter() - t)
+        return times
+
+    def prefill(self, prompt: np.ndarray) -> float:
+        self.llm.reset()
+        t = time.perf_counter()
+        self.llm.eval(prompt.tolist())
+        return time.perf_counter() - t
+
+
+def markdown(r: dict) -> str:
+    s, ll = r["strata_async"], r.get("llama_cpp")
+    rows = [f"# Decode/prefill: {Path(r['model']).name}", "",
+            (f"{r['date']}, commit {r['commit'][:12]}, {r['machine']}, {r['threads']} threads, "
+            f"load average before {r['loadavg_before']}"), "",
+            "| | strata-async | llama.cpp | ratio |", "|---|---|---|---|"]
+
+    def row(label: str, key: str) -> str:
+        mine = s[key]
+        theirs = ll[key] if ll else None
+        ratio = f"{mine / theirs:.2f}x" if theirs else "not run"
+        return f"| {label} | {mine:.2f} | {f'{theirs:.2f}' if theirs else 'not installed'} | {ratio} |"
+
+    rows += [row("decode tok/s", "decode_tok_s"), row(f"prefill tok/s ({r['prompt_tokens']} tokens)", "prefill_tok_s"),
+             "", (f"- read bandwidth: {r['bandwidth']['parallel_gbps']:.1f} GB/s ({r['threads']} threads; numpy "
+             f"1 thread {r['bandwidth']['numpy_1thread_gbps']:.1f} GB/s)"),
+             (f"- bytes per decoded token: {r['bytes_per_token']['total'] / 1e6:.1f} MB "
+             f"(routed experts {r['bytes_per_token']['routed_experts'] / 1e6:.1f}, output head "
+             f"{r['bytes_per_token']['output_head'] / 1e6:.1f}, other {r['bytes_per_token']['other'] / 1e6:.1f})"),
+             (f"- roofline: {r['roofline_tok_s']:.1f} tok/s; strata-async reaches "
+             f"{100 * r['roofline_fraction']:.1f}% of it")]
+    return "\n".join(rows) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="decode/prefill tokens/s and the memory roofline")
+    ap.add_argument("model")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--decode-tokens", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=512, help="prefill prompt length")
+    ap.add_argument("--repeats", type=int, default=3, help="decode runs (each --decode-tokens steps)")
+    ap.add_argument("--prefill-repeats", type=int, default=1)
+    ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp even if it is installed")
+    ap.add_argument("--tag", default=None)
+    a = ap.parse_args()
+
+    loadavg = [round(x, 2) for x in os.getloadavg()]
+    bandwidth = read_bandwidth(a.threads)
+    per_token = bytes_per_token(a.model)
+    rt = load_runtime(a.model, threads=a.threads, max_context=a.prompt + a.decode_tokens + 16)
+    rng = np.random.default_rng(0)  # ids below 1000: real (unpadded) tokens of any vocabulary
+    short_prompt = rng.integers(0, 1000, 8)
+    long_prompt = rng.integers(0, 1000, a.prompt)
+    llama = None
+    if not a.no_llama:
+        try:
+            llama = LlamaCpp(a.model, a.threads, a.prompt + a.decode_tokens + 16)
+        except ImportError:
+            llama = None
+
+    touch_pages(a.model)
+    strata_decode(rt, short_prompt[:2], 1)  # warm up: compile/load kernels, fault in the pages
+    mine = {"decode": [], "prefill": []}
+    theirs = {"decode": [], "prefill": []}
+    for _ in range(a.repeats):  # alternate the engines so drift in machine load hits both alike
+        mine["decode"] += strata_decode(rt, short_prompt, a.decode_tokens)
+        if llama:
+            theirs["decode"] += llama.decode(short_prompt, a.decode_tokens)
+    for _ in range(a.prefill_repeats):
+        mine["prefill"].append(strata_prefill(rt, long_prompt))
+        if llama:
+            theirs["prefill"].append(llama.prefill(long_prompt))
+
+    def summary(times: dict[str, list[float]]) -> dict:
+        return {"decode_tok_s": 1.0 / float(np.median(times["decode"])),
+                "prefill_tok_s": a.prompt / float(np.median(times["prefill"])),
+                "decode_step_s": times["decode"], "prefill_s": times["prefill"]}
+
+    roofline = bandwidth["parallel_gbps"] * 1e9 / per_token["total"]
+    result = {
+        "model": str(a.model), "threads": a.threads, "prompt_tokens": a.prompt,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False,
+                                 cwd=Path(__file__).parent).stdout.strip(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "loadavg_before": loadavg, "bandwidth": bandwidth, "bytes_per_token": per_token,
+        "roofline_tok_s": roofline,
+        "strata_async": summary(mine),
+        "llama_cpp": summary(theirs) if llama else None,
+    }
+    result["roofline_fraction"] = result["strata_async"]["decode_tok_s"] / roofline
+    if llama:
+        result["decode_ratio_vs_llama_cpp"] = result["strata_async"]["decode_tok_s"] / result["llama_cpp"]["decode_tok_s"]
+        result["prefill_ratio_vs_llama_cpp"] = (result["strata_async"]["prefill_tok_s"]
+                                                / result["llama_cpp"]["prefill_tok_s"])
+    tag = a.tag or Path(a.model).stem
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"decode_{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / f"decode_{tag}.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,88 @@
+"""The fused block dots (kernels/quant_dot.py, through quant.matvec) and the expert pool
+(kernels/expert_pool.py) against float64 products of gguf.quants' dequantized weights.
+
+Blocks: Q8_0 and Q4_0 from gguf.quants.quantize of random floats; k-quants as random bytes with random
+finite fp16 super-scales (every other byte pattern is a valid block). Fresh inputs each run, seed printed.
+Tolerances are relative to sum |w| |x| per output: float32 sums of up to 2048 products, reassociated.
+"""
+
+import gguf
+import numpy as np
+import pytest
+from strata_async.kernels import quant
+from strata_async.kernels.expert_pool import swiglu_experts
+
+Q = gguf.GGMLQuantizationType
+SCALE_OFFSETS = {Q.Q4_K: (0, 2), Q.Q6_K: (208,), Q.Q2_K: (80, 82)}
+TOL = 1e-5
+
+
+def random_rows(rng: np.random.Generator, t: Q, rows: int, k: int) -> np.ndarray:
+    if t in (Q.Q8_0, Q.Q4_0):
+        values = rng.standard_normal((rows, k)).astype(np.float32)
+        return np.ascontiguousarray(gguf.quants.quantize(values, t)).reshape(rows, -1)
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[t]
+    raw = rng.integers(0, 256, size=(rows, k // block_elems, block_bytes), dtype=np.uint8)
+    for off in SCALE_OFFSETS[t]:
+        scale = (rng.choice([-1, 1], raw.shape[:2]) * 2.0 ** rng.uniform(-12, -2, raw.shape[:2])).astype(np.float16)
+        raw[:, :, off:off + 2] = scale.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, -1)
+
+
+def dequant64(w: np.ndarray, t: Q) -> np.ndarray:
+    return gguf.quants.dequantize(w, t).astype(np.float64)
+
+
+@pytest.mark.parametrize("t", [Q.Q8_0, Q.Q4_K, Q.Q6_K])
+@pytest.mark.parametrize("rows,k", [(1, 256), (37, 512), (131, 2048)])
+def test_fused_matvec_matches_float64(rng, t, rows, k):
+    w = random_rows(rng, t, rows, k)
+    x = rng.standard_normal(k).astype(np.float32)
+    wf = dequant64(w, t)
+    expected = wf @ x.astype(np.float64)
+    scale = np.abs(wf) @ np.abs(x.astype(np.float64))
+    got = quant.matvec(w, int(t), x)
+    assert np.all(np.abs(got - expected) <= TOL * scale)
+
+
+def swiglu_ref(x, gate, up, down, ids, weights):
+    out = np.zeros(down.shape[1])
+    for e, wt in zip(ids, weights):
+        g, u = gate[e] @ x, up[e] @ x
+        out += wt * (down[e] @ (g / (1 + np.exp(-g)) * u))
+    return out
+
+
+@pytest.mark.parametrize("types", [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0, Q.Q8_0), (Q.Q2_K, Q.Q4_0, Q.Q4_K)])
+@pytest.mark.parametrize("n_experts,ffn,hidden,k", [(8, 256, 256, 3), (6, 512, 256, 5), (4, 256, 512, 1)])
+def test_expert_pool_matches_float64(rng, types, n_experts, ffn, hidden, k):
+    tg, tu, td = types
+    gate = np.stack([random_rows(rng, tg, ffn, hidden) for _ in range(n_experts)])
+    up = np.stack([random_rows(rng, tu, ffn, hidden) for _ in range(n_experts)])
+    down = np.stack([random_rows(rng, td, hidden, ffn) for _ in range(n_experts)])
+    g64 = np.stack([dequant64(m, tg) for m in gate])
+    u64 = np.stack([dequant64(m, tu) for m in up])
+    d64 = np.stack([dequant64(m, td) for m in down])
+    # Scale x so the gate/up outputs are O(1) whatever the weights' scales: SwiGLU stays in its bent range.
+    x = rng.standard_normal(hidden)
+    x /= max(np.abs(g64).sum(axis=2).max(), np.abs(u64).sum(axis=2).max()) / 3
+    x = x.astype(np.float32)
+    ids = rng.choice(n_experts, k, replace=False)
+    weights = rng.uniform(0.05, 1.0, k).astype(np.float32)
+    base = rng.standard_normal(hidden).astype(np.float32)
+    got = swiglu_experts(gate, int(tg), up, int(tu), down, int(td), x, ids, weights, base.copy())
+    x64 = x.astype(np.float64)
+    expected = base + swiglu_ref(x64, g64, u64, d64, ids, weights.astype(np.float64))
+    # error bound: the hidden activations carry relative error ~TOL of their |.|-sums into the down products
+    hid = [np.abs(g64[e]) @ np.abs(x64) * (np.abs(u64[e]) @ np.abs(x64)) + 1.0 for e in ids]
+    scale = sum(w * (np.abs(d64[e]) @ h) for e, w, h in zip(ids, weights, hid)) + np.abs(base)
+    assert np.all(np.abs(got - expected) <= TOL * scale)
+    assert np.abs(got - base).max() > 0  # the experts contributed
+
+
+def test_expert_pool_rejects_bad_ids(rng):
+    gate = np.stack([random_rows(rng, Q.Q8_0, 32, 64) for _ in range(2)])
+    down = np.stack([random_rows(rng, Q.Q8_0, 64, 32) for _ in range(2)])
+    x = rng.standard_normal(64).astype(np.float32)
+    with pytest.raises(ValueError, match="expert numbers below 2"):
+        swiglu_experts(gate, 8, gate, 8, down, 8, x, np.array([2]), np.ones(1, np.float32), np.zeros(64, np.float32))
