@@ -25,4 +25,11 @@ def _key_numba_cache_by_source() -> None:
     numba.config.CACHE_DIR = os.path.join(home, "numba", digest.hexdigest()[:16])
 
 
+def compiled_kernels_cached() -> bool:
+    """Whether this version of the kernels has been compiled before (Numba's cache holds it)."""
+    cache = numba.config.CACHE_DIR  # Numba makes the folders when kernels are defined; the index files
+    # (*.nbi) appear only once something has been compiled
+    return bool(cache) and any(name.endswith(".nbi") for _, _, names in os.walk(cache) for name in names)
+
+
 _key_numba_cache_by_source()

@@ -94,6 +94,13 @@ def _parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _note_first_compile() -> None:
+    from .kernels import compiled_kernels_cached
+
+    if not compiled_kernels_cached():
+        _note("first run of this version: compiling the CPU kernels (a minute or two; cached afterwards)")
+
+
 def _run(args: argparse.Namespace) -> int:
     from .model import load  # the runtime's kernels load here, not for --help
     from .sampling import SamplingParams
@@ -104,6 +111,7 @@ def _run(args: argparse.Namespace) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                               repetition_penalty=args.repetition_penalty, seed=args.seed)
     path = _model_path(args.model)
+    _note_first_compile()
     _note(f"loading {path} ({_size_of(path)}) ...")
     started = time.perf_counter()
     model = load(path, threads=args.threads, max_context=args.max_context)

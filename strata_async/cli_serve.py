@@ -111,7 +111,7 @@ def _run(main: Coroutine) -> Any:
 # ---- serve ----------------------------------------------------------------------------------------
 
 def _serve(args: argparse.Namespace) -> int:
-    from .cli import _model_path, _note
+    from .cli import _model_path, _note, _note_first_compile
     from .engine import EngineConfig
     from .server import ServerConfig
 
@@ -127,6 +127,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key:
         _note(f"warning: serving on {args.host} without --api-key: anyone who can reach it may use it")
     path = _model_path(args.model)
+    _note_first_compile()
     logging.basicConfig(level=logging.WARNING, format="strata-async: %(name)s: %(message)s")
 
     def load_model():
