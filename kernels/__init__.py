@@ -26,10 +26,19 @@ def _key_numba_cache_by_source() -> None:
 
 
 def compiled_kernels_cached() -> bool:
-    """Whether this version of the kernels has been compiled before (Numba's cache holds it)."""
-    cache = numba.config.CACHE_DIR  # Numba makes the folders when kernels are defined; the index files
-    # (*.nbi) appear only once something has been compiled
-    return bool(cache) and any(name.endswith(".nbi") for _, _, names in os.walk(cache) for name in names)
+    """Whether the kernels at this location and version have been compiled before (Numba's cache holds them).
+
+    Numba keys its cache by the source folder too, so each checkout or install compiles once; the main
+    matvec kernel stands for the rest.
+    """
+    from . import quant_dispatch
+
+    try:
+        folder = quant_dispatch.matvec._cache.cache_path  # Numba's folder for this copy of the sources
+    except AttributeError:  # a Numba without it: say nothing rather than something wrong
+        return True
+    return os.path.isdir(folder) and any(name.startswith("quant_dispatch.matvec-") and name.endswith(".nbi")
+                                         for name in os.listdir(folder))
 
 
 _key_numba_cache_by_source()
