@@ -3,6 +3,7 @@ the quantized rows; a CUDA device will implement the same interface."""
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import numba
@@ -28,6 +29,24 @@ class Device(Protocol):
         call. gate/up/down: 3-D expert tensors. Returns False (out untouched) where the device has no such path."""
 
 
+def physical_cores() -> int:
+    """CPU cores this process may run on, SMT siblings counted once.
+
+    The kernels stream weights from memory: a second hyper-thread on a core adds contention, not bandwidth,
+    so one worker per physical core is the default. Where the topology cannot be read, every CPU counts.
+    """
+    cpus = os.sched_getaffinity(0)
+    cores = set()
+    for cpu in cpus:
+        topology = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+        try:
+            with open(f"{topology}/physical_package_id") as pkg, open(f"{topology}/core_id") as core:
+                cores.add((pkg.read().strip(), core.read().strip()))
+        except OSError:
+            return len(cpus)
+    return max(1, len(cores))
+
+
 class HostDevice:
     name = "host"
 
@@ -35,14 +54,14 @@ class HostDevice:
         if threads is not None and not 1 <= threads <= numba.config.NUMBA_NUM_THREADS:
             raise ValueError(f"threads must be between 1 and {numba.config.NUMBA_NUM_THREADS} "
                              f"(the CPU threads Numba may use), got {threads}")
-        self.threads = threads
+        # Workers: one per physical core unless told otherwise.
+        self.threads = threads if threads is not None else min(physical_cores(), numba.config.NUMBA_NUM_THREADS)
         # Round activations as ggml does before its integer dot products (to compare with llama.cpp).
         self.quantized_activations = quantized_activations
 
     def activate(self) -> None:
         # Numba's thread count is per calling thread, so it is set by whichever thread runs the model.
-        if self.threads is not None:
-            numba.set_num_threads(self.threads)
+        numba.set_num_threads(self.threads)
 
     def linear(self, x: np.ndarray, w: QTensor) -> np.ndarray:
         if w.data.ndim != 2:

@@ -1,9 +1,14 @@
 """Per-sequence state: the KV cache grows past its first allocation without losing rows, and copies are
-independent snapshots."""
+independent snapshots; and the host device's default worker count."""
 
+import os
+import subprocess
+
+import numba
 import numpy as np
 import pytest
 
+from strata_async.runtime.device import HostDevice, physical_cores
 from strata_async.runtime.state import DeltaNetState, KVCache, SequenceState
 
 
@@ -43,3 +48,15 @@ def test_state_copy_is_independent():
     np.testing.assert_array_equal(snap.layers[0].k[:3], cache.k[:3])
     np.testing.assert_array_equal(snap.layers[1].recurrent, recurrent_before)
     assert not snap.layers[1].conv.any()
+
+
+def test_workers_default_to_physical_cores():
+    """One worker per physical core: counted against lscpu's view of the topology (SMT siblings share a core)."""
+    listing = subprocess.run(["lscpu", "-p=CPU,CORE,SOCKET"], capture_output=True, text=True, check=True).stdout
+    allowed = os.sched_getaffinity(0)
+    cores = {(socket, core) for cpu, core, socket in
+             (line.split(",") for line in listing.splitlines() if line and not line.startswith("#"))
+             if int(cpu) in allowed}
+    assert physical_cores() == len(cores)
+    assert HostDevice().threads == min(len(cores), numba.config.NUMBA_NUM_THREADS)
+    assert HostDevice(threads=1).threads == 1
