@@ -1,8 +1,8 @@
 """Quantized matrix products computed straight from ggml blocks.
 
-Every ggml format registers its block size and one Numba function, ``dequant_row(src, dst)``,
+Every ggml format registers its block size here and has one Numba function, ``dequant_row(src, dst)``,
 that decodes one row of blocks (``src``: the row's bytes, ``dst``: its float32 values);
-quant_dispatch joins them in cached kernels: a parallel matrix-vector product (decode) and a
+quant_dispatch joins those functions in cached kernels: a parallel matrix-vector product (decode) and a
 tiled matrix-matrix path (prefill: a tile of rows is decoded into a small float32 buffer and
 multiplied with BLAS), so no call ever dequantizes a whole matrix.
 
@@ -14,7 +14,6 @@ the numerics of ggml's quantized-activation path, so results can be compared wit
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import numba
 import numpy as np
@@ -32,19 +31,18 @@ class QuantFormat:
     name: str
     block_elems: int
     block_bytes: int
-    dequant_row: Callable  # numba njit (src: uint8[::1], dst: float32[::1]) -> None
     act_block: int  # activation block for act_quant (32 = Q8_0, 256 = Q8_K, 0 = float activations)
 
 
 _FORMATS: dict[int, QuantFormat] = {}
 
 
-def register_type(ggml_type: int, name: str, block_elems: int, block_bytes: int,
-                  dequant_row: Callable, act_block: int) -> None:
-    """Make a ggml format available to dequantize/matvec/matmul."""
+def register_type(ggml_type: int, name: str, block_elems: int, block_bytes: int, act_block: int) -> None:
+    """Make a ggml format available to dequantize/matvec/matmul (its row decoder needs a branch in
+    quant_dispatch.dequant_row)."""
     if ggml_type in _FORMATS:
         raise ValueError(f"ggml type {ggml_type} ({name}) is registered twice")
-    _FORMATS[ggml_type] = QuantFormat(ggml_type, name, block_elems, block_bytes, dequant_row, act_block)
+    _FORMATS[ggml_type] = QuantFormat(ggml_type, name, block_elems, block_bytes, act_block)
 
 
 def _format(ggml_type: int) -> QuantFormat:

@@ -29,6 +29,6 @@ def dequant_bf16(src, dst):
         bits[i] = np.uint32(b[i]) << 16
 
 
-register_type(F32, "F32", 1, 4, dequant_f32, act_block=0)
-register_type(F16, "F16", 1, 2, dequant_f16, act_block=0)
-register_type(BF16, "BF16", 1, 2, dequant_bf16, act_block=0)
+register_type(F32, "F32", 1, 4, act_block=0)
+register_type(F16, "F16", 1, 2, act_block=0)
+register_type(BF16, "BF16", 1, 2, act_block=0)

@@ -196,10 +196,10 @@ def dequant_iq1_m(src, dst):
                 _put_iq1(dst, y + 16 * half + 8, dl, point_hi, delta_hi)
 
 
-register_type(IQ2_XXS, "IQ2_XXS", _QK, 66, dequant_iq2_xxs, act_block=_Q8_K)
-register_type(IQ2_XS, "IQ2_XS", _QK, 74, dequant_iq2_xs, act_block=_Q8_K)
-register_type(IQ2_S, "IQ2_S", _QK, 82, dequant_iq2_s, act_block=_Q8_K)
-register_type(IQ3_XXS, "IQ3_XXS", _QK, 98, dequant_iq3_xxs, act_block=_Q8_K)
-register_type(IQ3_S, "IQ3_S", _QK, 110, dequant_iq3_s, act_block=_Q8_K)
-register_type(IQ1_S, "IQ1_S", _QK, 50, dequant_iq1_s, act_block=_Q8_K)
-register_type(IQ1_M, "IQ1_M", _QK, 56, dequant_iq1_m, act_block=_Q8_K)
+register_type(IQ2_XXS, "IQ2_XXS", _QK, 66, act_block=_Q8_K)
+register_type(IQ2_XS, "IQ2_XS", _QK, 74, act_block=_Q8_K)
+register_type(IQ2_S, "IQ2_S", _QK, 82, act_block=_Q8_K)
+register_type(IQ3_XXS, "IQ3_XXS", _QK, 98, act_block=_Q8_K)
+register_type(IQ3_S, "IQ3_S", _QK, 110, act_block=_Q8_K)
+register_type(IQ1_S, "IQ1_S", _QK, 50, act_block=_Q8_K)
+register_type(IQ1_M, "IQ1_M", _QK, 56, act_block=_Q8_K)

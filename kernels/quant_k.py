@@ -205,8 +205,8 @@ def dequant_q6_k(src, dst):
                     dst[y + 96 + l] = dl3 * np.float32(np.int32((c >> 4) | ((h & 192) >> 2)) - 32)
 
 
-register_type(Q2_K, "Q2_K", _QK_K, _Q2_BYTES, dequant_q2_k, act_block=_ACT_BLOCK)
-register_type(Q3_K, "Q3_K", _QK_K, _Q3_BYTES, dequant_q3_k, act_block=_ACT_BLOCK)
-register_type(Q4_K, "Q4_K", _QK_K, _Q4_BYTES, dequant_q4_k, act_block=_ACT_BLOCK)
-register_type(Q5_K, "Q5_K", _QK_K, _Q5_BYTES, dequant_q5_k, act_block=_ACT_BLOCK)
-register_type(Q6_K, "Q6_K", _QK_K, _Q6_BYTES, dequant_q6_k, act_block=_ACT_BLOCK)
+register_type(Q2_K, "Q2_K", _QK_K, _Q2_BYTES, act_block=_ACT_BLOCK)
+register_type(Q3_K, "Q3_K", _QK_K, _Q3_BYTES, act_block=_ACT_BLOCK)
+register_type(Q4_K, "Q4_K", _QK_K, _Q4_BYTES, act_block=_ACT_BLOCK)
+register_type(Q5_K, "Q5_K", _QK_K, _Q5_BYTES, act_block=_ACT_BLOCK)
+register_type(Q6_K, "Q6_K", _QK_K, _Q6_BYTES, act_block=_ACT_BLOCK)

@@ -181,8 +181,8 @@ def quantize_q2_0(values: np.ndarray) -> bytes:
     return np.concatenate([d, qs], axis=1).tobytes()
 
 
-register_type(Q4_0, "Q4_0", _QK, _Q4_0_BYTES, dequant_q4_0, act_block=32)
-register_type(Q4_1, "Q4_1", _QK, _Q4_1_BYTES, dequant_q4_1, act_block=32)
-register_type(Q5_0, "Q5_0", _QK, _Q5_0_BYTES, dequant_q5_0, act_block=32)
-register_type(Q5_1, "Q5_1", _QK, _Q5_1_BYTES, dequant_q5_1, act_block=32)
-register_type(Q2_0, "Q2_0", _QK2, _Q2_0_BYTES, dequant_q2_0, act_block=32)
+register_type(Q4_0, "Q4_0", _QK, _Q4_0_BYTES, act_block=32)
+register_type(Q4_1, "Q4_1", _QK, _Q4_1_BYTES, act_block=32)
+register_type(Q5_0, "Q5_0", _QK, _Q5_0_BYTES, act_block=32)
+register_type(Q5_1, "Q5_1", _QK, _Q5_1_BYTES, act_block=32)
+register_type(Q2_0, "Q2_0", _QK2, _Q2_0_BYTES, act_block=32)

@@ -73,6 +73,6 @@ def dequant_mxfp4(src, dst):
         _decode_nibbles(src, o + 1, _e8m0_half(np.int64(src[o])), KVALUES_FP4, dst, b * _QK)
 
 
-register_type(IQ4_NL, "IQ4_NL", _QK, _IQ4_NL_BYTES, dequant_iq4_nl, act_block=32)
-register_type(IQ4_XS, "IQ4_XS", _QK_K, _IQ4_XS_BYTES, dequant_iq4_xs, act_block=256)
-register_type(MXFP4, "MXFP4", _QK, _MXFP4_BYTES, dequant_mxfp4, act_block=32)
+register_type(IQ4_NL, "IQ4_NL", _QK, _IQ4_NL_BYTES, act_block=32)
+register_type(IQ4_XS, "IQ4_XS", _QK_K, _IQ4_XS_BYTES, act_block=256)
+register_type(MXFP4, "MXFP4", _QK, _MXFP4_BYTES, act_block=32)

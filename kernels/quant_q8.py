@@ -21,4 +21,4 @@ def dequant_q8_0(src, dst):
             dst[b * _QK + j] = d * np.float32(q - 256 if q > 127 else q)
 
 
-register_type(Q8_0, "Q8_0", _QK, _BLOCK_BYTES, dequant_q8_0, act_block=32)
+register_type(Q8_0, "Q8_0", _QK, _BLOCK_BYTES, act_block=32)
