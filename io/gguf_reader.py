@@ -58,6 +58,8 @@ class TensorInfo:
     ggml_type: int
     shape: tuple[int, ...]
     data: np.ndarray  # read-only uint8 memmap of exactly this tensor's bytes
+    file_path: Path | None = None  # the file (shard) holding the bytes
+    file_offset: int = 0  # absolute byte offset of the data in file_path (for unbuffered reads of its rows)
 
     @property
     def n_elements(self) -> int:
@@ -280,7 +282,7 @@ def _parse_mapping(path: Path, buf: mmap.mmap) -> GGUFFile:
                 f"file ends at {p.size}: the file is truncated"
             )
         spans.append((offset, offset + nbytes, name))
-        tensors[name] = TensorInfo(name, ggml_type, shape, mapping[start : start + nbytes])
+        tensors[name] = TensorInfo(name, ggml_type, shape, mapping[start : start + nbytes], path, start)
     spans.sort()
     for (_, end, first), (next_start, _, second) in zip(spans, spans[1:]):
         if next_start < end:

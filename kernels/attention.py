@@ -202,3 +202,39 @@ def rope(x: np.ndarray, positions: np.ndarray, theta: float, rot_dim: int, style
     out = np.empty_like(x)
     _rope_neox(x, positions.astype(np.int64), inv_freq, out)
     return out
+
+
+def attend_selected(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, allowed: np.ndarray,
+                    scale: float | None = None) -> np.ndarray:
+    """Attention of n queries over only the cache rows each is allowed (sparse attention, e.g. QSA).
+
+    q [n, hq, d]; k_cache [T, hkv, d], v_cache [T, hkv, dv]; allowed [n, L] bool with L <= T: query i sees
+    row j iff allowed[i, j] (every query must see at least one row). Query head h uses kv head
+    h // (hq // hkv). Softmax in float32 after subtracting the row maximum. Returns [n, hq, dv] float32.
+    """
+    require_array("q", q, (None, None, None))
+    n, hq, d = q.shape
+    require_array("k_cache", k_cache, (None, None, d))
+    hkv = k_cache.shape[1]
+    require_array("v_cache", v_cache, (k_cache.shape[0], hkv, None))
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
+    if allowed.dtype != np.bool_ or allowed.ndim != 2 or allowed.shape[0] != n or allowed.shape[1] > len(k_cache):
+        raise ValueError(f"allowed must be bool [{n}, <= {len(k_cache)}], got {allowed.dtype} {allowed.shape}")
+    if not allowed.any(axis=1).all():
+        raise ValueError("every query must be allowed at least one cache row")
+    scale = np.float32(d ** -0.5 if scale is None else scale)
+    qg = q.reshape(n, hkv, hq // hkv, d)
+    if n == 1:  # decode: touch only the selected rows
+        rows = np.flatnonzero(allowed[0])
+        k, v = k_cache[rows], v_cache[rows]
+        s = np.einsum("nkgd,lkd->nkgl", qg, k) * scale
+    else:
+        length = allowed.shape[1]
+        k, v = k_cache[:length], v_cache[:length]
+        s = np.einsum("nkgd,lkd->nkgl", qg, k) * scale
+        s = np.where(allowed[:, None, None, :], s, np.float32(-np.inf))
+    s = np.exp(s - s.max(axis=-1, keepdims=True))
+    s /= s.sum(axis=-1, keepdims=True)
+    out = np.einsum("nkgl,lkd->nkgd", s, v)
+    return np.ascontiguousarray(out.reshape(n, hq, v_cache.shape[2]), dtype=np.float32)

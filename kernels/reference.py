@@ -112,6 +112,23 @@ def attend_ref(q, k_cache, v_cache, start_pos: int, scale: float | None = None) 
     return out
 
 
+def attend_selected_ref(q, k_cache, v_cache, allowed, scale: float | None = None) -> np.ndarray:
+    """Softmax attention of query i over only the cache rows j with allowed[i, j]; shapes as attend_ref."""
+    q, k_cache, v_cache = _f64(q), _f64(k_cache), _f64(v_cache)
+    n, hq, d = q.shape
+    group = hq // k_cache.shape[1]
+    if scale is None:
+        scale = d ** -0.5
+    out = np.zeros((n, hq, v_cache.shape[2]))
+    for i in range(n):
+        rows = np.flatnonzero(allowed[i])
+        for h in range(hq):
+            scores = k_cache[rows, h // group] @ q[i, h] * scale
+            p = np.exp(scores - scores.max())
+            out[i, h] = (p / p.sum()) @ v_cache[rows, h // group]
+    return out
+
+
 def rope_ref(x, positions, theta: float, rot_dim: int) -> np.ndarray:
     """NEOX-style rotary embedding on the first rot_dim dims of x [n, h, d] (pairs i, i + rot_dim/2);
     the other dims pass unchanged."""

@@ -103,3 +103,11 @@ class ModelConfig:
     def arch_fields(cls, md: Metadata) -> dict[str, Any]:
         """Fields an architecture adds to the common ones; subclasses override."""
         return {}
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How a model's tiers are served, beyond the device: options an architecture may use or ignore."""
+
+    ple_io: str = "direct"  # n-gram PLE table: "direct" (O_DIRECT reads), "mmap" or "ram" (read whole at load)
+    ple_cache_rows: int = 4096  # PLE rows kept in RAM after use (LRU); prefetched rows wait there too

@@ -4,7 +4,7 @@
     q, k    = l2norm(q), l2norm(k)                           per key head
     g       = ssm_a * softplus(a + dt_bias),  beta = sigmoid(b)      from the ba projection
     o       = gated_delta_rule(q, k, v, g, beta)             recurrent state [v_heads, k_dim, v_dim]
-    out     = W_out (rmsnorm(o) * norm * silu(z))            z = W_z x, per value head
+    out     = W_out (rmsnorm(o) * norm * silu(z))            z = W_z x, per value head (or sigmoid(z))
 
 A prompt chunk runs the chunked delta rule, a single decode token the recurrent one.
 """
@@ -18,7 +18,7 @@ import numpy as np
 from strata_async.kernels import deltanet
 
 from .device import Device
-from .layers import gated_rmsnorm, l2norm
+from .layers import gated_rmsnorm, l2norm, rmsnorm, sigmoid
 from .state import DeltaNetState
 from .weights import QTensor
 
@@ -30,6 +30,10 @@ class DeltaNetShape:
     k_dim: int
     v_dim: int
     conv_kernel: int
+    # Value heads of key head kh: kh * r .. kh * r + r - 1 ("grouped", r = v_heads / k_heads, Qwen3-Next files)
+    # or kh, kh + k_heads, kh + 2 k_heads, .. ("tiled": converters reorder Qwen3.5-style checkpoints so).
+    v_head_order: str = "grouped"
+    gate: str = "silu"  # activation of the output gate z: "silu" or "sigmoid"
 
     @property
     def key_dim(self) -> int:
@@ -80,12 +84,14 @@ class InputProjection:
 @dataclass(frozen=True)
 class DeltaNetWeights:
     in_proj: InputProjection
-    ba: QTensor  # [2 * v_heads, hidden]: per key head, its v_heads/k_heads betas then as many alphas
+    ba: QTensor | None  # [2 * v_heads, hidden]: per key head, its v_heads/k_heads betas then as many alphas
     conv: np.ndarray  # [conv_dim, kernel]
     dt_bias: np.ndarray  # [v_heads]
     ssm_a: np.ndarray  # [v_heads]: -exp(A_log)
     norm: np.ndarray  # [v_dim]: weight of the gated RMSNorm (stored as is, no +1)
     out: QTensor  # [hidden, value_dim]
+    beta: QTensor | None = None  # [v_heads, hidden]: files that store b and a apart instead of ``ba``
+    alpha: QTensor | None = None  # [v_heads, hidden]
 
 
 def gated_deltanet(dev: Device, x: np.ndarray, w: DeltaNetWeights, shape: DeltaNetShape,
@@ -94,19 +100,28 @@ def gated_deltanet(dev: Device, x: np.ndarray, w: DeltaNetWeights, shape: DeltaN
     n = x.shape[0]
     s = shape
     qkv, z = w.in_proj(dev, x)
-    ba = dev.linear(x, w.ba).reshape(n, s.n_k_heads, 2, s.n_v_heads // s.n_k_heads)
-    b = np.ascontiguousarray(ba[:, :, 0].reshape(n, s.n_v_heads))
-    a = np.ascontiguousarray(ba[:, :, 1].reshape(n, s.n_v_heads))
+    if w.ba is not None:
+        ba = dev.linear(x, w.ba).reshape(n, s.n_k_heads, 2, s.n_v_heads // s.n_k_heads)
+        b = np.ascontiguousarray(ba[:, :, 0].reshape(n, s.n_v_heads))
+        a = np.ascontiguousarray(ba[:, :, 1].reshape(n, s.n_v_heads))
+    else:
+        b, a = dev.linear(x, w.beta), dev.linear(x, w.alpha)
 
     mixed = deltanet.causal_conv1d(np.ascontiguousarray(qkv), state.conv, w.conv)
     q = l2norm(mixed[:, : s.key_dim].reshape(n, s.n_k_heads, s.k_dim))
     k = l2norm(mixed[:, s.key_dim: 2 * s.key_dim].reshape(n, s.n_k_heads, s.k_dim))
     v = np.ascontiguousarray(mixed[:, 2 * s.key_dim:].reshape(n, s.n_v_heads, s.v_dim))
+    if s.v_head_order == "tiled" and s.n_v_heads != s.n_k_heads:
+        # The kernels pair value head h with key head h // (v_heads / k_heads); give each value head its own
+        # copy of its key head instead (value head h belongs to key head h % k_heads).
+        reps = (1, s.n_v_heads // s.n_k_heads, 1)
+        q, k = np.tile(q, reps), np.tile(k, reps)
     g, beta = deltanet.gdn_gates(a, b, w.ssm_a, w.dt_bias)
 
     if n == 1:
         o = deltanet.gated_delta_rule_recurrent(q, k, v, g, beta, state.recurrent)
     else:
         o = deltanet.gated_delta_rule_chunked(q, k, v, g, beta, state.recurrent)
-    o = gated_rmsnorm(o, z.reshape(n, s.n_v_heads, s.v_dim), w.norm, eps)
+    z = z.reshape(n, s.n_v_heads, s.v_dim)
+    o = gated_rmsnorm(o, z, w.norm, eps) if s.gate == "silu" else rmsnorm(o, w.norm, eps) * sigmoid(z)
     return dev.linear(o.reshape(n, s.value_dim), w.out)

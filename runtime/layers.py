@@ -22,6 +22,14 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return norms.rmsnorm(x, w, eps) if x.ndim == 2 else norms.rmsnorm_heads(x, w, eps)
 
 
+def group_rmsnorm(x: np.ndarray, w: np.ndarray, groups: int, eps: float) -> np.ndarray:
+    """RMSNorm of each of the `groups` equal slices of every row of x [n, groups * d], times w [groups * d]."""
+    n = x.shape[0]
+    normed = norms.rmsnorm_heads(np.ascontiguousarray(x, np.float32).reshape(n, groups, -1),
+                                 np.ones(x.shape[1] // groups, np.float32), eps)
+    return normed.reshape(n, -1) * w
+
+
 def gated_rmsnorm(x: np.ndarray, gate: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """rmsnorm(x) * w * silu(gate) per head; x, gate [n, heads, d]."""
     return norms.gated_rmsnorm(np.ascontiguousarray(x), np.ascontiguousarray(gate), w, eps)

@@ -10,7 +10,7 @@ import numpy as np
 from strata_async.io import GGUFFile, open_gguf
 
 from .archs import ArchModel, model_class
-from .config import ModelConfig
+from .config import LoadOptions, ModelConfig
 from .device import Device, HostDevice
 from .state import SequenceState
 from .weights import WeightStore
@@ -33,6 +33,18 @@ class Runtime:
 
     def new_state(self) -> SequenceState:
         return self._model.new_state(self.max_context)
+
+    @property
+    def model(self) -> ArchModel:
+        """The architecture's model object (its config, weights and tiers, e.g. a PLE table's counters)."""
+        return self._model
+
+    def close(self) -> None:
+        """Stop background readers and release the file mappings."""
+        close = getattr(self._model, "close", None)
+        if close is not None:
+            close()
+        self.gguf.close()
 
     def forward(self, state: SequenceState, token_ids: np.ndarray, all_logits: bool = True) -> np.ndarray:
         """Logits float32 [n, vocab] for every token (all_logits) or [1, vocab] for the last one.
@@ -82,13 +94,14 @@ def _passthrough(debug_hook: UserDebugHook | None) -> Callable[[str, int, np.nda
 
 def load_runtime(path: str | os.PathLike[str], *, threads: int | None = None, quantized_activations: bool = False,
                  prefill_chunk: int = 256, max_context: int | None = None,
-                 debug_hook: UserDebugHook | None = None) -> Runtime:
+                 debug_hook: UserDebugHook | None = None, options: LoadOptions | None = None) -> Runtime:
     """Open the GGUF model at ``path`` (any shard of a split model) for CPU inference.
 
     threads: CPU threads for the kernels (default: Numba's); quantized_activations: round activations as
     ggml does before quantized dot products; prefill_chunk: prompt tokens per forward step; max_context:
     positions a sequence may hold (default and upper bound: the model's context length); debug_hook:
-    called as debug_hook(name, layer, tensor) with named intermediate activations.
+    called as debug_hook(name, layer, tensor) with named intermediate activations; options: how the
+    model's other tiers are served (the n-gram PLE table's I/O mode and row cache), see LoadOptions.
     """
     if prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
@@ -98,14 +111,15 @@ def load_runtime(path: str | os.PathLike[str], *, threads: int | None = None, qu
         if not isinstance(arch, str):
             raise ValueError(f"{gguf.path}: GGUF metadata has no general.architecture; not a model file")
         device = HostDevice(threads=threads, quantized_activations=quantized_activations)
-        model = model_class(arch)(WeightStore(gguf), device)
+        model = model_class(arch)(WeightStore(gguf), device, options or LoadOptions())
         limit = model.config.context_length
         if max_context is None:
             max_context = limit
-        if not 1 <= max_context <= limit:
-            raise ValueError(f"max_context must be between 1 and the model's context length {limit}, "
-                             f"got {max_context}")
-        return Runtime(gguf, model, device, prefill_chunk, max_context, debug_hook)
     except BaseException:
         gguf.close()
         raise
+    runtime = Runtime(gguf, model, device, prefill_chunk, max_context, debug_hook)
+    if not 1 <= max_context <= limit:
+        runtime.close()
+        raise ValueError(f"max_context must be between 1 and the model's context length {limit}, got {max_context}")
+    return runtime

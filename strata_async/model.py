@@ -62,7 +62,7 @@ class Model:
         return self.runtime.max_context
 
     def close(self) -> None:
-        self.runtime.gguf.close()
+        self.runtime.close()
 
     def __enter__(self) -> Model:
         return self

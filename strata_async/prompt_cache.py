@@ -17,27 +17,20 @@ The cache belongs to the engine's worker thread (no locking); other threads only
 
 from __future__ import annotations
 
-import copy
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .runtime.state import KVCache, SequenceState
+from .runtime.state import SequenceState
 
 __all__ = ["PromptCache", "Snapshot", "compact_copy", "state_nbytes"]
 
 
 def state_nbytes(state: SequenceState) -> int:
     """Bytes a compact copy of `state` holds: KV caches up to their length, every other layer array whole."""
-    total = 0
-    for layer in state.layers:
-        if isinstance(layer, KVCache):
-            total += layer.k[: layer.length].nbytes + layer.v[: layer.length].nbytes
-        else:
-            total += sum(v.nbytes for v in vars(layer).values() if isinstance(v, np.ndarray))
-    return total
+    return state.nbytes
 
 
 def compact_copy(state: SequenceState) -> SequenceState:
@@ -46,16 +39,7 @@ def compact_copy(state: SequenceState) -> SequenceState:
     SequenceState.copy() also copies the KV caches' spare capacity; a snapshot does not need it, and a
     restored sequence regrows it on its next append.
     """
-    layers = []
-    for layer in state.layers:
-        if isinstance(layer, KVCache):
-            kv = copy.copy(layer)
-            kv.k = layer.k[: layer.length].copy()
-            kv.v = layer.v[: layer.length].copy()
-            layers.append(kv)
-        else:
-            layers.append(layer.copy())
-    return SequenceState(layers, state.max_context, state.position)
+    return state.compact()
 
 
 @dataclass(frozen=True)

@@ -262,6 +262,7 @@ CHECKPOINT_SEED = 1234
 INITIALIZER_RANGE = 0.15  # transformers' 0.02 leaves a 64-wide model with near-uniform logits
 NORM_WEIGHT_NOISE = 0.2  # norm weights start as constants; jitter them so every norm (and its +1 offset) matters
 DT_BIAS_STD = 0.5
+PLE_CONV_STD = 0.3
 A_RANGE = (0.05, 1.5)  # DeltaNet decay rates A = exp(A_log): slow enough that the state carries over many tokens
 
 # Ids of the control tokens of the Qwen2 vocabulary, as the real Qwen3 configs declare them.
@@ -314,6 +315,31 @@ TINY_QWEN3MOE = dict(
     intermediate_size=128,
 )
 
+# Qwen3.8-Flash-Next in miniature: DeltaNet x3 + QSA attention, twice; hyper-connections over 4 streams; one PLE
+# layer with small prime n-gram tables. Inside what llama.cpp's qwen4exp accepts: one PLE layer, a sigmoid
+# DeltaNet output gate, linear key head size = value head size. 16 indexer heads (with few, several blocks score
+# exactly 0 and tie at the cut-off) and a budget of 2 blocks of 4: prompts longer than 12 tokens drop blocks.
+TINY_QWEN4EXP = dict(
+    {k: v for k, v in TINY_QWEN3NEXT.items() if k not in ("decoder_sparse_step", "intermediate_size")},
+    rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                     "mrope_section": [1, 1, 0], "mrope_interleaved": True},
+    hc_count=4,
+    hc_lowrank=16,
+    ple_layer_ids=[2],  # one-indexed: the second layer
+    ple_embed_dim=64,
+    ple_conv_kernel_size=4,
+    ngram_size=3,
+    heads_per_ngram=2,
+    ngram_vocab_size_base=1000,
+    split_ngram_parts=2,
+    indexer_n_heads=16,
+    indexer_kv_heads=1,
+    indexer_head_dim=16,
+    indexer_budget=8,
+    indexer_compress_ratio=4,
+    output_gate_type="sigmoid",
+)
+
 # Variants whose every quantized row length is a multiple of 256 (the K-quant super-block), so llama-quantize
 # applies the requested type everywhere instead of falling back to a legacy type for odd-sized rows.
 KQUANT_QWEN3NEXT = dict(
@@ -339,6 +365,22 @@ KQUANT_QWEN3MOE = dict(
 )
 
 
+KQUANT_QWEN4EXP = dict(
+    TINY_QWEN4EXP,
+    hidden_size=256,
+    num_hidden_layers=4,
+    layer_types=full_attention_every(4),
+    head_dim=64,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    moe_intermediate_size=256,
+    shared_expert_intermediate_size=256,
+    hc_lowrank=256,  # the row length of hc_*_up
+    ple_embed_dim=256,  # the row length of ple_key / ple_value
+    ple_layer_ids=[1],
+)
+
+
 def tiny_qwen3next_dir(**overrides) -> Path:
     """A tiny random Qwen3NextForCausalLM checkpoint (8 layers: DeltaNet x3 + attention, twice). See TINY_QWEN3NEXT."""
     return _checkpoint_dir("Qwen3NextForCausalLM", _with_layer_pattern(TINY_QWEN3NEXT, overrides))
@@ -359,11 +401,24 @@ def kquant_qwen3moe_dir(**overrides) -> Path:
     return _checkpoint_dir("Qwen3MoeForCausalLM", {**KQUANT_QWEN3MOE, **overrides})
 
 
+def tiny_qwen4exp_dir(**overrides) -> Path:
+    """A tiny random Qwen4ExpForCausalLM checkpoint (8 layers: DeltaNet x3 + QSA attention, twice). See
+    TINY_QWEN4EXP."""
+    return _checkpoint_dir("Qwen4ExpForCausalLM", _with_layer_pattern(TINY_QWEN4EXP, overrides))
+
+
+def kquant_qwen4exp_dir(**overrides) -> Path:
+    """A small Qwen4ExpForCausalLM checkpoint with K-quant-able (multiple of 256) row lengths."""
+    return _checkpoint_dir("Qwen4ExpForCausalLM", _with_layer_pattern(KQUANT_QWEN4EXP, overrides))
+
+
 CHECKPOINTS: dict[str, Callable[..., Path]] = {
     "qwen3next": tiny_qwen3next_dir,
     "qwen3moe": tiny_qwen3moe_dir,
     "qwen3next_kquant": kquant_qwen3next_dir,
     "qwen3moe_kquant": kquant_qwen3moe_dir,
+    "qwen4exp": tiny_qwen4exp_dir,
+    "qwen4exp_kquant": kquant_qwen4exp_dir,
 }
 
 
@@ -424,6 +479,8 @@ def _randomize_constant_parameters(model) -> None:
                 param.copy_(torch.randn(param.shape, generator=generator) * DT_BIAS_STD)
             elif "norm" in name.rsplit(".", 2)[-2] and name.endswith(".weight"):
                 param.add_(torch.randn(param.shape, generator=generator) * NORM_WEIGHT_NOISE)
+            elif name.endswith(".ple.conv1d.weight"):  # transformers starts it at zero: the conv would not count
+                param.copy_(torch.randn(param.shape, generator=generator) * PLE_CONV_STD)
 
 
 def _check_forward_is_sane(model) -> None:
@@ -468,6 +525,48 @@ def _has_mtp_tensors(model_dir: Path) -> bool:
     return False
 
 
+def _raw_config_source(model_dir: Path) -> Path:
+    """What the converter should read for this checkpoint: the checkpoint itself, or for Qwen4Exp a sibling
+    folder holding the checkpoint's files with the config.json the model authors ship.
+
+    llama.cpp's converter reads hyper-parameters through transformers' AutoConfig and falls back to the raw
+    config.json only when that fails. A transformers that knows qwen4_exp rewrites layer_types from
+    "full_attention" to "indexed_attention"; the qwen4exp converter tests for "full_attention" and would then
+    write every compress ratio as 0 (dense attention). So the folder's config.json names the attention layers
+    as the released checkpoints do, under a model_type transformers does not know, forcing the fallback.
+    """
+    config = json.loads((model_dir / "config.json").read_text())
+    if config.get("model_type") != "qwen4_exp_text":
+        return model_dir
+    raw = model_dir.with_name(model_dir.name + "-raw-config")
+
+    def build(partial: Path) -> None:
+        partial.mkdir()
+        for f in model_dir.iterdir():
+            if f.name != "config.json":
+                (partial / f.name).symlink_to(f.resolve())
+        layer_types = ["full_attention" if t == "indexed_attention" else t for t in config["layer_types"]]
+        (partial / "config.json").write_text(json.dumps({**config, "model_type": "qwen4_exp_raw",
+                                                         "layer_types": layer_types}))
+
+    return _build_once(raw, build)
+
+
+def _check_converted(model_dir: Path, gguf_path: Path) -> None:
+    """Refuse a qwen4exp file whose attention layers lost their QSA compress ratios (see _raw_config_source)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    if config.get("model_type") != "qwen4_exp_text" or not config.get("indexer_compress_ratio"):
+        return
+    from strata_async.io import open_gguf
+
+    with open_gguf(gguf_path) as f:
+        ratios = list(f.metadata["qwen4exp.attention.compress_ratios"])
+    expected = [config["indexer_compress_ratio"] if t != "linear_attention" else 0 for t in config["layer_types"]]
+    if ratios != expected:
+        raise RuntimeError(f"{gguf_path}: compress_ratios {ratios}, expected {expected}: the converter read the "
+                           "transformers-rewritten layer types")
+
+
 def convert_to_gguf(model_dir: Path, out_path: Path, outtype: str = "f32", extra_args: Sequence[str] = ()) -> Path:
     """Convert a transformers checkpoint to GGUF with llama.cpp's `convert_hf_to_gguf.py` and its own gguf-py.
 
@@ -475,15 +574,17 @@ def convert_to_gguf(model_dir: Path, out_path: Path, outtype: str = "f32", extra
     automatically. Raises with the converter's output when it fails.
     """
     source = llama_cpp_dir()
+    model_dir = Path(model_dir)
     out_path = Path(out_path)
     partial = out_path.with_name(out_path.name + ".partial")
     env = {**os.environ, "PYTHONPATH": str(source / "gguf-py")}
     env.pop("NO_LOCAL_GGUF", None)
     _run(
-        [sys.executable, source / "convert_hf_to_gguf.py", model_dir, "--outfile", partial, "--outtype", outtype,
-         *converter_flags(model_dir), *extra_args],
+        [sys.executable, source / "convert_hf_to_gguf.py", _raw_config_source(model_dir), "--outfile", partial,
+         "--outtype", outtype, *converter_flags(model_dir), *extra_args],
         f"llama.cpp's converter on {model_dir}", cwd=source, env=env,
     )
+    _check_converted(model_dir, partial)
     os.replace(partial, out_path)
     return out_path
 

@@ -46,6 +46,16 @@ def qwen3moe_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen4exp_dir() -> Path:
+    return assets.tiny_qwen4exp_dir()
+
+
+@pytest.fixture(scope="session")
+def qwen4exp_f32_gguf(qwen4exp_dir: Path) -> Path:
+    return assets.converted_gguf(qwen4exp_dir, "f32")
+
+
+@pytest.fixture(scope="session")
 def qwen3next_f32_gguf(qwen3next_dir: Path) -> Path:
     return assets.converted_gguf(qwen3next_dir, "f32")
 

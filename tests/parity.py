@@ -101,6 +101,8 @@ class ParitySuite:
 
     model_key: str  # conftest's key of the tiny checkpoint ("qwen3moe", "qwen3next")
     kquant_key: str  # conftest's key of its 256-multiple variant
+    # Intermediate tensors the debug hook must report ("layer_out" and "output_norm" are compared with transformers).
+    hook_names = frozenset({"attn_norm", "attn_out", "ffn_inp", "ffn_norm", "moe_out", "layer_out"})
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -152,11 +154,11 @@ class ParitySuite:
         prompt = random_prompt(PREFILL_CHUNK + 3)
         rt.forward(rt.new_state(), prompt)
         names = {name for name, _ in seen}
-        assert {"attn_norm", "attn_out", "ffn_inp", "ffn_norm", "moe_out", "layer_out"} <= names
+        assert self.hook_names <= names
         with torch.no_grad():
             hidden = assets.hf_model(model_dir)(input_ids=torch.as_tensor(prompt)[None],
                                                 output_hidden_states=True).hidden_states
-        # hidden_states: the embeddings, each layer's output, and (last) the final norm's output
+        # hidden_states: the embeddings, each layer's output, and (last) the final norm's (or mixer's) output
         for layer in range(rt.config.n_layers - 1):
             diff = max_rel_diff(seen["layer_out", layer], hidden[layer + 1][0].numpy())
             assert diff <= F32_VS_TRANSFORMERS, f"layer {layer}: {diff:.3g}"

@@ -23,9 +23,9 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
     eager_attention_forward,
 )
 
-from strata_async.kernels.attention import attend, rope
+from strata_async.kernels.attention import attend, attend_selected, rope
 from strata_async.kernels.norms import rmsnorm_heads
-from strata_async.kernels.reference import attend_ref, rope_ref
+from strata_async.kernels.reference import attend_ref, attend_selected_ref, rope_ref
 
 F64_TOL = 1e-5
 HF_TOL = 2e-5
@@ -202,3 +202,18 @@ def test_attention_kernels_reject_bad_arguments(rng):
         rope(q, np.arange(3), 1e4, 5)
     with pytest.raises(ValueError, match="integer numpy array"):
         rope(q, np.arange(3.0), 1e4, 8)
+
+
+@pytest.mark.parametrize("n", [1, 7])
+def test_attend_selected_matches_reference(rng, n):
+    """Sparse (QSA) attention: each query over its own subset of rows; a causal mask gives plain attention."""
+    hq, hkv, d, length = 8, 2, 16, 40
+    q, k, v = randn(rng, n, hq, d), randn(rng, length + 5, hkv, d), randn(rng, length + 5, hkv, d)
+    allowed = rng.random((n, length)) < 0.3
+    allowed[np.arange(n), rng.integers(0, length, n)] = True  # at least one row each
+    got = attend_selected(q, k, v, allowed, scale=0.2)
+    np.testing.assert_allclose(got, attend_selected_ref(q, k, v, allowed, scale=0.2), rtol=1e-5, atol=1e-5)
+    causal = np.arange(length)[None, :] <= (length - n + np.arange(n))[:, None]
+    np.testing.assert_allclose(attend_selected(q, k, v, causal), attend(q, k, v, length - n), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="at least one"):
+        attend_selected(q, k, v, np.zeros((n, length), dtype=bool))

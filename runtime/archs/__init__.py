@@ -2,7 +2,7 @@
 
 Each module defines ``ARCH`` (the GGUF name) and ``Model(weights, device)`` with ``config``,
 ``new_state(max_context)``, ``forward(state, tokens, hook)`` (final-normed hidden states, advancing the
-state) and ``logits(hidden)``.
+state), ``logits(hidden)`` and, where it holds resources beyond the file mapping, ``close()``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..config import ModelConfig
+from ..config import LoadOptions, ModelConfig
 from ..device import Device
 from ..state import SequenceState
 from ..weights import WeightStore
@@ -24,7 +24,7 @@ DebugHook = Callable[[str, int, np.ndarray], np.ndarray]
 class ArchModel(Protocol):
     config: ModelConfig
 
-    def __init__(self, ws: WeightStore, dev: Device) -> None: ...
+    def __init__(self, ws: WeightStore, dev: Device, options: LoadOptions | None = None) -> None: ...
 
     def new_state(self, max_context: int) -> SequenceState: ...
 
@@ -33,9 +33,9 @@ class ArchModel(Protocol):
     def logits(self, h: np.ndarray) -> np.ndarray: ...
 
 
-from . import qwen3moe, qwen3next  # noqa: E402  (they import DebugHook from here)
+from . import qwen3moe, qwen3next, qwen4exp  # noqa: E402  (they import DebugHook from here)
 
-ARCHITECTURES: dict[str, type[ArchModel]] = {m.ARCH: m.Model for m in (qwen3moe, qwen3next)}
+ARCHITECTURES: dict[str, type[ArchModel]] = {m.ARCH: m.Model for m in (qwen3moe, qwen3next, qwen4exp)}
 
 
 class UnsupportedArchitectureError(ValueError):

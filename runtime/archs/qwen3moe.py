@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import Metadata, ModelConfig
+from ..config import LoadOptions, Metadata, ModelConfig
 from ..device import Device
 from ..layers import attention, linear, rmsnorm, rope
 from ..moe import RoutedExperts, moe_ffn, route_softmax_topk
@@ -85,7 +85,7 @@ class Layer:
 
 
 class Model:
-    def __init__(self, ws: WeightStore, dev: Device):
+    def __init__(self, ws: WeightStore, dev: Device, options: LoadOptions | None = None):
         self.config = c = Qwen3MoeConfig.from_gguf(ws.gguf)
         self.dev = dev
         self.emb = Embeddings.load(ws, c)

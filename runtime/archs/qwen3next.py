@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import Metadata, ModelConfig
+from ..config import LoadOptions, Metadata, ModelConfig
 from ..deltanet import DeltaNetShape, DeltaNetWeights, InputProjection, gated_deltanet
 from ..device import Device
 from ..layers import attention, linear, rmsnorm, rope, sigmoid
@@ -73,6 +73,14 @@ def load_deltanet(ws: WeightStore, p: str, c: Qwen3NextConfig) -> DeltaNetWeight
                            out=ws.tensor(f"{p}.ssm_out.weight", (d, s.value_dim)))
 
 
+def load_shared_expert(ws: WeightStore, p: str, d: int, f: int) -> SharedExpert:
+    """The shared expert of layer prefix ``p`` (hidden size d, intermediate size f) and its sigmoid gate."""
+    return SharedExpert(gate=ws.tensor(f"{p}.ffn_gate_shexp.weight", (f, d)),
+                        up=ws.tensor(f"{p}.ffn_up_shexp.weight", (f, d)),
+                        down=ws.tensor(f"{p}.ffn_down_shexp.weight", (d, f)),
+                        gate_inp=ws.tensor(f"{p}.ffn_gate_inp_shexp.weight", (1, d)))
+
+
 @dataclass(frozen=True)
 class Layer:
     attn_norm: np.ndarray
@@ -84,7 +92,7 @@ class Layer:
 
 
 class Model:
-    def __init__(self, ws: WeightStore, dev: Device):
+    def __init__(self, ws: WeightStore, dev: Device, options: LoadOptions | None = None):
         self.config = c = Qwen3NextConfig.from_gguf(ws.gguf)
         self.dev = dev
         self.emb = Embeddings.load(ws, c)
@@ -94,10 +102,7 @@ class Model:
             router, experts = load_experts(ws, p, c)
             mixer = (load_deltanet(ws, p, c) if c.recurrent[i]
                      else Attention.load(ws, p, c, 2 * c.n_heads * c.head_dim))
-            shared = SharedExpert(gate=ws.tensor(f"{p}.ffn_gate_shexp.weight", (f, d)),
-                                  up=ws.tensor(f"{p}.ffn_up_shexp.weight", (f, d)),
-                                  down=ws.tensor(f"{p}.ffn_down_shexp.weight", (d, f)),
-                                  gate_inp=ws.tensor(f"{p}.ffn_gate_inp_shexp.weight", (1, d)))
+            shared = load_shared_expert(ws, p, d, f)
             self.layers.append(Layer(attn_norm=ws.vector(f"{p}.attn_norm.weight", d), mixer=mixer,
                                      ffn_norm=ws.vector(f"{p}.post_attention_norm.weight", d),
                                      router=router, experts=experts, shared=shared))
