@@ -20,8 +20,8 @@ The small per-layer `blk.N.ple_*` projections that consume those rows are dense 
 "ngram" are included too, a guess at how other n-gram-embedding files may spell their table.
 
 Two plans are given for each part: the CPU-only engine (everything in host RAM, the n-gram table read from
-NVMe with O_DIRECT), and the GPU plan: VRAM for everything every token touches, routed experts in pinned
-host RAM with a VRAM cache of the hottest ones filling whatever budget is left, embeddings in host RAM (a
+NVMe with O_DIRECT, or as --ple-io says), and the GPU plan: VRAM for everything every token touches, routed
+experts in pinned host RAM with a VRAM cache of the hottest ones filling whatever budget is left, embeddings in host RAM (a
 token reads one row, not worth VRAM), the n-gram table on NVMe. That table answers "will it fit on my PC?".
 """
 
@@ -48,6 +48,9 @@ HOST_RAM = "host RAM"
 PINNED_HOST_RAM = "pinned host RAM"
 VRAM = "VRAM"
 NVME = "NVMe (O_DIRECT)"
+PAGE_CACHE = "NVMe (mmap)"  # read through the page cache, which keeps what was touched
+# The n-gram table's tier for each of the engine's --ple-io modes.
+NGRAM_TIERS = {"direct": NVME, "mmap": PAGE_CACHE, "ram": HOST_RAM}
 
 # Tier of each part on the CPU-only engine and in the GPU plan.
 CPU_TIERS = {part: HOST_RAM for part in PARTS} | {NGRAM_TABLE: NVME}
@@ -127,10 +130,15 @@ def decoder_layers(gguf: GGUFFile) -> int | None:
     return int(blocks) - n_mtp
 
 
-def placement_table(gguf: GGUFFile, vram_bytes: int | None = None) -> PlacementTable:
-    """Bytes of each part of the model in `gguf` and the tier each goes to; see the module docstring."""
+def placement_table(gguf: GGUFFile, vram_bytes: int | None = None, ple_io: str = "direct") -> PlacementTable:
+    """Bytes of each part of the model in `gguf` and the tier each goes to; see the module docstring.
+    ple_io: how the n-gram table is read (a key of NGRAM_TIERS), which decides its tier in both plans."""
     if vram_bytes is not None and vram_bytes < 0:
         raise ValueError(f"VRAM budget must be >= 0 bytes, got {vram_bytes}")
+    if ple_io not in NGRAM_TIERS:
+        raise ValueError(f"ple_io must be one of {', '.join(NGRAM_TIERS)}, got {ple_io!r}")
+    table_tier = {NGRAM_TABLE: NGRAM_TIERS[ple_io]}
+    cpu_tiers, gpu_tiers = CPU_TIERS | table_tier, GPU_TIERS | table_tier
     n_layers = decoder_layers(gguf)
     counts = dict.fromkeys(PARTS, 0)
     sizes = dict.fromkeys(PARTS, 0)
@@ -138,7 +146,7 @@ def placement_table(gguf: GGUFFile, vram_bytes: int | None = None) -> PlacementT
         part = tensor_part(name, n_layers)
         counts[part] += 1
         sizes[part] += int(info.data.nbytes)
-    rows = [PlacementRow(p, counts[p], sizes[p], CPU_TIERS[p], GPU_TIERS[p]) for p in PARTS if counts[p]]
+    rows = [PlacementRow(p, counts[p], sizes[p], cpu_tiers[p], gpu_tiers[p]) for p in PARTS if counts[p]]
     required = sum(r.nbytes for r in rows if r.gpu_tier == VRAM)
     routed = sizes[ROUTED_EXPERTS]
     cache = 0 if vram_bytes is None else max(0, min(routed, vram_bytes - required))

@@ -72,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
                                                      "(default: the model's context length)")
     run.add_argument("--json", action="store_true",
                      help="print one JSON object (text, token_ids, finish_reason, timings) instead of streaming")
+    add_ple_options(run)
 
     inspect = commands.add_parser(
         "inspect", help="show a model's architecture, sizes and where each part would be placed",
@@ -82,11 +83,34 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--vram-gb", type=float, metavar="X",
                          help="VRAM budget in GiB for the GPU plan (a '24 GB' card holds 24 GiB)")
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
+    inspect.add_argument("--ple-io", choices=PLE_IO_MODES, default="direct",
+                         help="the n-gram table's tier to show: direct (NVMe, O_DIRECT), mmap or ram (default direct)")
 
     from .cli_serve import add_commands
 
     add_commands(commands)
     return parser
+
+
+PLE_IO_MODES = ("direct", "mmap", "ram")
+
+
+def add_ple_options(parser: argparse.ArgumentParser) -> None:
+    """--ple-io and --ple-cache-rows: how a model's n-gram PLE table (qwen4exp) is read; others ignore them."""
+    parser.add_argument("--ple-io", choices=PLE_IO_MODES, default="direct",
+                        help="n-gram PLE table (qwen4exp): 'direct' reads its rows from the drive with O_DIRECT, "
+                             "so the table never fills RAM or the page cache (buffered where the filesystem refuses "
+                             "O_DIRECT); 'mmap' maps the file; 'ram' reads the whole table into memory at load "
+                             "(default: direct)")
+    parser.add_argument("--ple-cache-rows", type=int, default=4096, metavar="N",
+                        help="PLE table rows kept in RAM after use, least recently used dropped first; rows "
+                             "read ahead wait there too (default 4096)")
+
+
+def ple_load_options(args: argparse.Namespace) -> dict[str, Any]:
+    if args.ple_cache_rows < 1:
+        raise ValueError(f"--ple-cache-rows must be at least 1, got {args.ple_cache_rows}")
+    return {"ple_io": args.ple_io, "ple_cache_rows": args.ple_cache_rows}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -110,11 +134,12 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError("the prompt is empty: give some text with --prompt")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                               repetition_penalty=args.repetition_penalty, seed=args.seed)
+    ple = ple_load_options(args)
     path = _model_path(args.model)
     _note_first_compile()
     _note(f"loading {path} ({_size_of(path)}) ...")
     started = time.perf_counter()
-    model = load(path, threads=args.threads, max_context=args.max_context)
+    model = load(path, threads=args.threads, max_context=args.max_context, **ple)
     with model:
         _note(f"loaded {model.name} in {time.perf_counter() - started:.1f} s")
         prompt = model.chat_prompt(args.prompt) if args.chat else args.prompt
@@ -140,6 +165,12 @@ def _run(args: argparse.Namespace) -> int:
             _note(f"prompt: {timings.prompt_tokens} tokens, {timings.prefill_tok_s:.1f} tok/s | "
                   f"decode: {timings.generated_tokens} tokens, {timings.decode_tok_s:.1f} tok/s | "
                   f"first token after {timings.ttft_s:.2f} s | finish: {event.finish_reason}")
+            table = getattr(model.runtime.model, "ple_table", None)
+            if table is not None:
+                st = table.stats
+                _note(f"n-gram table ({table.mode}): {st.rows_read} rows read ({st.bytes_read / 1024:.0f} KiB), "
+                      f"{st.cache_hits} cache hits, wait per step mean {st.wait_mean_s * 1e3:.3f} ms, "
+                      f"p99 {st.wait_p99_s * 1e3:.3f} ms")
     return 0
 
 
@@ -177,7 +208,7 @@ def _inspect(args: argparse.Namespace) -> int:
         raise ValueError(f"--vram-gb must be >= 0, got {args.vram_gb}")
     vram = None if args.vram_gb is None else int(args.vram_gb * GIB)
     with open_gguf(_model_path(args.model)) as gguf:
-        info = describe(gguf, vram)
+        info = describe(gguf, vram, ple_io=args.ple_io)
     if args.json:
         sys.stdout.buffer.write(orjson.dumps(_info_json(info), option=orjson.OPT_INDENT_2) + b"\n")
     else:
@@ -218,6 +249,12 @@ def _info_text(info: ModelInfo) -> str:
         f"active per token",
         "  tensor types  " + ", ".join(f"{t.ggml_type} x{t.n_tensors} ({format_bytes(t.nbytes)})"
                                       for t in info.tensor_types),
+    ]
+    if info.ngram_table is not None:
+        t = info.ngram_table
+        lines.append(f"  n-gram table  {format_bytes(t.nbytes)}: {t.rows} rows of {t.row_bytes} B ({t.ggml_type}), "
+                     f"read by layer {t.layer} from {t.tier}")
+    lines += [
         "",
         f"  {'part':<16}{'tensors':>8}{'size':>12}  {'CPU engine':<17}GPU plan",
     ]

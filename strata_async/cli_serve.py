@@ -25,6 +25,8 @@ MIB = 1 << 20
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
     """Add serve, chat and complete to the `strata-async` parser's subcommands."""
+    from .cli import add_ple_options
+
     serve = commands.add_parser(
         "serve", help="serve a model over WebSockets",
         description="Serve a model over WebSockets (protocol: docs/protocol.md), with GET /health and GET /metrics "
@@ -53,6 +55,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("-t", "--threads", type=int, help="CPU threads (default: all)")
     serve.add_argument("--max-context", type=int, help="most tokens a sequence may hold (default: the model's)")
     serve.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per forward step (default 256)")
+    add_ple_options(serve)
 
     chat = commands.add_parser("chat", help="chat with a running server in the terminal",
                                description="Chat with a strata-async server: type a message, Enter sends it; "
@@ -111,7 +114,7 @@ def _run(main: Coroutine) -> Any:
 # ---- serve ----------------------------------------------------------------------------------------
 
 def _serve(args: argparse.Namespace) -> int:
-    from .cli import _model_path, _note, _note_first_compile
+    from .cli import _model_path, _note, _note_first_compile, ple_load_options
     from .engine import EngineConfig
     from .server import ServerConfig
 
@@ -133,7 +136,8 @@ def _serve(args: argparse.Namespace) -> int:
     def load_model():
         from .model import load
 
-        return load(path, threads=args.threads, max_context=args.max_context, prefill_chunk=args.prefill_chunk)
+        return load(path, threads=args.threads, max_context=args.max_context, prefill_chunk=args.prefill_chunk,
+                    **ple_load_options(args))
 
     return _run(_serve_until_stopped(load_model, config))
 

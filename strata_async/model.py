@@ -10,7 +10,7 @@ import numpy as np
 
 from .default_model import default_model_path
 from .generate import GenerationEvent, generate
-from .runtime import ModelConfig, Runtime, load_runtime
+from .runtime import LoadOptions, ModelConfig, Runtime, load_runtime
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 
@@ -18,7 +18,8 @@ __all__ = ["Model", "load"]
 
 
 def load(path: str | os.PathLike[str] | None = None, *, threads: int | None = None,
-         quantized_activations: bool = False, prefill_chunk: int = 256, max_context: int | None = None) -> Model:
+         quantized_activations: bool = False, prefill_chunk: int = 256, max_context: int | None = None,
+         ple_io: str = "direct", ple_cache_rows: int = 4096) -> Model:
     """Open a GGUF model for CPU inference.
 
     path: the .gguf file (any shard of a split model); None loads the embedded default model, a small
@@ -26,15 +27,19 @@ def load(path: str | os.PathLike[str] | None = None, *, threads: int | None = No
     threads: CPU threads for the kernels; quantized_activations: round activations as ggml does before
     quantized dot products; prefill_chunk: prompt tokens per forward step; max_context: the most tokens
     (prompt + generated) a sequence may hold, at most the model's context length (the default).
+    ple_io / ple_cache_rows: for a model with an n-gram PLE table (qwen4exp), how its rows are read:
+    "direct" (O_DIRECT from the drive: the table never fills RAM or the page cache), "mmap" or "ram"
+    (the whole table read into memory at load), and how many recently used rows stay in RAM.
     """
     is_default = path is None
     path = default_model_path() if path is None else Path(path)
     runtime = load_runtime(path, threads=threads, quantized_activations=quantized_activations,
-                           prefill_chunk=prefill_chunk, max_context=max_context)
+                           prefill_chunk=prefill_chunk, max_context=max_context,
+                           options=LoadOptions(ple_io=ple_io, ple_cache_rows=ple_cache_rows))
     try:
         tokenizer = Tokenizer.from_gguf(runtime.gguf)
     except BaseException:
-        runtime.gguf.close()
+        runtime.close()
         raise
     return Model(runtime, tokenizer, path, is_default)
 

@@ -10,10 +10,11 @@ from .io import GGUFFile
 from .io.ggml_types import type_name
 from .runtime.archs import model_class
 from .runtime.config import ModelConfig
-from .runtime.placement import EMBEDDINGS, MTP_LAYER, NGRAM_TABLE, ROUTED_EXPERTS, PlacementTable, decoder_layers
+from .runtime.placement import EMBEDDINGS, MTP_LAYER, NGRAM_TABLE, NGRAM_TIERS, ROUTED_EXPERTS, PlacementTable
+from .runtime.placement import decoder_layers
 from .runtime.placement import placement_table, tensor_part
 
-__all__ = ["ModelInfo", "TypeCount", "describe", "format_bytes", "format_count"]
+__all__ = ["ModelInfo", "NGramTableInfo", "TypeCount", "describe", "format_bytes", "format_count"]
 
 RANDOM_WEIGHTS_MARK = "random weights"  # the default model's general.name carries it
 
@@ -37,10 +38,33 @@ class ModelInfo:
     active_params: int  # per token: everything but the routed experts not chosen, the MTP layer and the n-gram table
     tensor_types: list[TypeCount] = field(default_factory=list)  # largest first
     placement: PlacementTable | None = None
+    ngram_table: NGramTableInfo | None = None  # qwen4exp's PLE table, when the file has one
 
 
-def describe(gguf: GGUFFile, vram_bytes: int | None = None) -> ModelInfo:
-    """Summarise an opened GGUF model; raises UnsupportedArchitectureError for an architecture we cannot run."""
+@dataclass(frozen=True)
+class NGramTableInfo:
+    nbytes: int
+    rows: int
+    row_bytes: int
+    ggml_type: str
+    tier: str  # where the engine reads it from with the chosen --ple-io
+    layer: int | None  # the decoder layer that uses it
+
+
+def _ngram_table(gguf: GGUFFile, ple_io: str) -> NGramTableInfo | None:
+    info = gguf.tensors.get("per_layer_token_embd.weight")
+    if info is None:
+        return None
+    arch = gguf.metadata.get("general.architecture")
+    layers = list(gguf.metadata.get(f"{arch}.ple.layers", []))
+    return NGramTableInfo(nbytes=int(info.data.nbytes), rows=info.n_rows, row_bytes=info.row_bytes,
+                          ggml_type=type_name(info.ggml_type), tier=NGRAM_TIERS[ple_io],
+                          layer=int(layers[0]) if layers else None)
+
+
+def describe(gguf: GGUFFile, vram_bytes: int | None = None, ple_io: str = "direct") -> ModelInfo:
+    """Summarise an opened GGUF model; raises UnsupportedArchitectureError for an architecture we cannot run.
+    ple_io: the n-gram table's read mode, which decides its tier in the placement table."""
     arch = gguf.metadata.get("general.architecture")
     if not isinstance(arch, str):
         raise ValueError(f"{gguf.path}: GGUF metadata has no general.architecture; not a model file")
@@ -75,7 +99,8 @@ def describe(gguf: GGUFFile, vram_bytes: int | None = None) -> ModelInfo:
         total_params=total,
         active_params=active,
         tensor_types=types,
-        placement=placement_table(gguf, vram_bytes),
+        placement=placement_table(gguf, vram_bytes, ple_io),
+        ngram_table=_ngram_table(gguf, ple_io),
     )
 
 

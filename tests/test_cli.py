@@ -110,3 +110,26 @@ def test_bad_options(home):
     _assert_user_error(cli(home, "inspect", "--vram-gb", "-3"), "--vram-gb")
     proc = cli(home, "run")  # argparse: --prompt is required
     assert proc.returncode == 2 and "--prompt" in proc.stderr
+
+
+@pytest.mark.slow
+def test_ple_table_options_on_a_qwen4exp_file(home, qwen4exp_f32_gguf):
+    """inspect names the n-gram table's size and tier for each --ple-io; run gives the same greedy tokens
+    whichever tier serves the table, and reports the table's counters."""
+    for mode, tier in (("direct", "NVMe (O_DIRECT)"), ("mmap", "NVMe (mmap)"), ("ram", "host RAM")):
+        proc = cli(home, "inspect", str(qwen4exp_f32_gguf), "--ple-io", mode)
+        assert proc.returncode == 0, proc.stderr
+        line = next(line for line in proc.stdout.splitlines() if "n-gram table" in line and "rows of" in line)
+        assert line.endswith(f"from {tier}") and "4096 rows of 64 B (F32)" in line
+    info = orjson.loads(cli(home, "inspect", str(qwen4exp_f32_gguf), "--json").stdout)
+    assert info["ngram_table"]["rows"] == 4096 and info["ngram_table"]["layer"] == 1
+    runs = {}
+    for mode in ("direct", "ram"):
+        proc = cli(home, "run", str(qwen4exp_f32_gguf), "-p", "one two three", "-n", "6", "--temperature", "0",
+                   "--ple-io", mode, "--ple-cache-rows", "8")
+        assert proc.returncode == 0, proc.stderr
+        assert f"n-gram table ({mode}):" in proc.stderr
+        runs[mode] = proc.stdout
+    assert runs["direct"] == runs["ram"]
+    _assert_user_error(cli(home, "run", str(qwen4exp_f32_gguf), "-p", "x", "--ple-cache-rows", "0"),
+                       "--ple-cache-rows must be at least 1")
