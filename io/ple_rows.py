@@ -47,7 +47,8 @@ class PLEStats:
     @property
     def wait_p99_s(self) -> float:
         """99th percentile of the per-call waits over the latest 100 000 calls."""
-        return float(np.percentile(np.fromiter(self.recent_waits_s, float), 99)) if self.recent_waits_s else 0.0
+        waits = tuple(self.recent_waits_s)  # one C-level copy: safe while the compute thread appends
+        return float(np.percentile(waits, 99)) if waits else 0.0
 
 
 class PLERowSource:

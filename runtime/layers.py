@@ -73,3 +73,13 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, cache: KVCache, scale
     cache.append(k, v)
     out = attention_kernels.attend(np.ascontiguousarray(q), cache.k, cache.v, cache.length - n, scale)
     return out.reshape(n, -1)
+
+
+def sparse_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, cache: KVCache, allowed: np.ndarray,
+                     scale: float) -> np.ndarray:
+    """Attention of n new tokens over only the cached positions ``allowed`` [n, length after the append] lets
+    each see (QSA). q [n, heads, d]; k, v [n, kv_heads, d] are appended to the cache first. Returns
+    [n, heads * d]."""
+    n = q.shape[0]
+    cache.append(k, v)
+    return attention_kernels.attend_selected(np.ascontiguousarray(q), cache.k, cache.v, allowed, scale).reshape(n, -1)

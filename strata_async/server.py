@@ -182,6 +182,14 @@ class Server:
                    c.stats.misses if c else 0)
             metric("prompt_cache_bytes", "gauge", "Bytes held by prompt-cache snapshots.", c.nbytes if c else 0)
             metric("prompt_cache_entries", "gauge", "Prompt-cache snapshots held.", len(c) if c else 0)
+            table = getattr(e.runtime.model, "ple_table", None)
+            if table is not None:
+                t = table.stats
+                metric("ple_rows_read_total", "counter", "n-gram PLE table rows read from its file.", t.rows_read)
+                metric("ple_bytes_read_total", "counter", "n-gram PLE table bytes read from its file.", t.bytes_read)
+                metric("ple_cache_hits_total", "counter", "n-gram PLE rows served from the row cache.", t.cache_hits)
+                metric("ple_wait_seconds", "gauge", "Wait for PLE rows per forward step: mean and p99.",
+                       {'{stat="mean"}': t.wait_mean_s, '{stat="p99"}': t.wait_p99_s})
         return "\n".join(lines) + "\n"
 
     def status(self) -> dict[str, Any]:

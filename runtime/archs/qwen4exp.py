@@ -23,13 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from strata_async.kernels import attention as attention_kernels
-
 from ..config import LoadOptions, Metadata, ModelConfig
 from ..deltanet import DeltaNetShape, DeltaNetWeights, InputProjection, gated_deltanet
 from ..device import Device
 from ..hyper import HyperConnection, hc_read, hc_write
-from ..layers import attention, linear, rmsnorm, rope, sigmoid
+from ..layers import attention, linear, rmsnorm, rope, sigmoid, sparse_attention
 from ..moe import RoutedExperts, SharedExpert, moe_ffn, route_softmax_topk
 from ..ple import TABLE_TENSOR, NGramHash, NGramTable, PLEWeights, new_ple_state, ple_module
 from ..qsa import Indexer, QSAShape, select_positions
@@ -217,8 +215,7 @@ class Model:
         else:
             allowed = select_positions(self.dev, x, m.indexer, m.shape, cache, positions, c.rope_theta, c.rope_dim,
                                        c.rms_eps)
-            cache.append(k, v)
-            out = attention_kernels.attend_selected(q, cache.k, cache.v, allowed, scale).reshape(n, -1)
+            out = sparse_attention(q, k, v, cache, allowed, scale)
         return linear(self.dev, out * sigmoid(gate), a.o)
 
     def forward(self, state: SequenceState, tokens: np.ndarray, hook: DebugHook) -> np.ndarray:
