@@ -14,6 +14,7 @@ pause / slow-consumer rules.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -78,12 +79,12 @@ class RunningServer:
         return self.process.poll() is None
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("server") / "server.log"
+@contextlib.contextmanager
+def start_server(log, *args: str):
+    """`strata-async serve` in a subprocess on a free port; yields a RunningServer once /health answers ok."""
     env = {**os.environ, "STRATA_ASYNC_API_KEY": API_KEY, "PYTHONUNBUFFERED": "1"}
     with open(log, "wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "strata_async.cli", "serve", *SERVER_ARGS],
+        process = subprocess.Popen([sys.executable, "-m", "strata_async.cli", "serve", *args],
                                    stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         port = None
@@ -104,6 +105,12 @@ def server(tmp_path_factory):
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with start_server(tmp_path_factory.mktemp("server") / "server.log", *SERVER_ARGS) as handle:
+        yield handle
 
 
 @pytest.fixture(scope="module")
@@ -707,3 +714,23 @@ def test_engine_pauses_an_unread_stream_and_drops_it_after_the_stall_timeout(mod
                                                                    ignore_eos=True)[1]
     assert dropped.finish_reason == "error" and dropped.error[0] == "slow_consumer"
     assert dropped.completion_tokens < 40  # it stopped at the backlog instead of generating 500 tokens
+
+
+def test_ple_table_counters_on_metrics(tmp_path, qwen4exp_f32_gguf):
+    """A qwen4exp server reads its n-gram table rows with O_DIRECT and exports the table's counters."""
+    async def generate(url):
+        async with await Client.connect(url, api_key=API_KEY) as client:
+            return [e async for e in client.generate("one two three", max_tokens=5, temperature=0)]
+
+    with start_server(tmp_path / "server.log", str(qwen4exp_f32_gguf), "--port", "0", "--ple-io", "direct",
+                      "--ple-cache-rows", "8") as handle:
+        assert run(generate(handle.url))
+        text = handle.http("/metrics", AUTH)[1].decode()
+
+    def value(name: str) -> float:
+        return float(re.search(rf"^strata_async_{name} (\S+)$", text, re.M).group(1))
+
+    heads = 4  # (ngram_size - 1) * heads_per_ngram of the tiny checkpoint
+    assert value("ple_rows_read_total") >= 5 * heads
+    assert value("ple_bytes_read_total") == 64 * value("ple_rows_read_total")  # F32 rows of 16 values
+    assert 'strata_async_ple_wait_seconds{stat="p99"}' in text
