@@ -156,11 +156,13 @@ def llama_quantize_binary() -> Path:
     return build_dir / "llama-quantize"
 
 
-def llama_quantize(src_gguf: Path, dst_gguf: Path, qtype: str) -> Path:
-    """Quantize `src_gguf` to `dst_gguf` with llama.cpp's own `llama-quantize` (`qtype` e.g. "Q4_K_M", "Q8_0")."""
+def llama_quantize(src_gguf: Path, dst_gguf: Path, qtype: str, extra_args: Sequence[str] = ()) -> Path:
+    """Quantize `src_gguf` to `dst_gguf` with llama.cpp's own `llama-quantize` (`qtype` e.g. "Q4_K_M", "Q8_0";
+    `extra_args` e.g. ["--tensor-type", "per_layer_token_embd=iq4_nl"])."""
     dst_gguf = Path(dst_gguf)
     partial = dst_gguf.with_name(dst_gguf.name + ".partial")
-    _run([llama_quantize_binary(), src_gguf, partial, qtype, "2"], f"llama-quantize {qtype} of {src_gguf}")
+    _run([llama_quantize_binary(), *extra_args, src_gguf, partial, qtype, "2"],
+         f"llama-quantize {qtype} of {src_gguf}")
     os.replace(partial, dst_gguf)
     return dst_gguf
 
@@ -597,11 +599,14 @@ def converted_gguf(model_dir: Path, outtype: str = "f32", extra_args: Sequence[s
     return _build_once(out, lambda partial: convert_to_gguf(model_dir, partial, outtype, extra_args))
 
 
-def quantized_gguf(model_dir: Path, qtype: str) -> Path:
-    """`model_dir` converted to f32 and quantized to `qtype` by llama-quantize, cached next to the checkpoint."""
+def quantized_gguf(model_dir: Path, qtype: str, extra_args: Sequence[str] = ()) -> Path:
+    """`model_dir` converted to f32 and quantized to `qtype` by llama-quantize, cached next to the checkpoint
+    (keyed by type and extra flags)."""
     model_dir = Path(model_dir)
-    out = model_dir.with_name(f"{model_dir.name}-{qtype}.gguf")
-    return _build_once(out, lambda partial: llama_quantize(converted_gguf(model_dir, "f32"), partial, qtype))
+    suffix = "" if not extra_args else "-" + hashlib.sha256(" ".join(extra_args).encode()).hexdigest()[:8]
+    out = model_dir.with_name(f"{model_dir.name}-{qtype}{suffix}.gguf")
+    return _build_once(out, lambda partial: llama_quantize(converted_gguf(model_dir, "f32"), partial, qtype,
+                                                           extra_args))
 
 
 # ---------------------------------------------------------------------------------------------------------------

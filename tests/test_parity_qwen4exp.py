@@ -9,8 +9,18 @@ import numpy as np
 import pytest
 from gguf import GGUFValueType
 
-from parity import PREFILL_CHUNK, F32_VS_TRANSFORMERS, ParitySuite, max_rel_diff, random_prompt, rewrite_gguf
+from parity import (
+    F32_VS_TRANSFORMERS,
+    PREFILL_CHUNK,
+    QUANTIZED_VS_DEQUANTIZED,
+    ParitySuite,
+    dequantized_copy,
+    max_rel_diff,
+    random_prompt,
+    rewrite_gguf,
+)
 from strata_async.io import open_gguf
+from strata_async.io.ggml_types import type_name
 from strata_async.runtime import LoadOptions, load_runtime
 from strata_async.runtime.ple import NGramHash
 from strata_async.runtime.state import PLELayerState
@@ -110,6 +120,21 @@ def test_ple_tiers_give_identical_logits(qwen4exp_f32_gguf):
         rt.close()
     np.testing.assert_array_equal(results["direct"], results["mmap"])
     np.testing.assert_array_equal(results["direct"], results["ram"])
+
+
+def test_iq4_nl_table_read_from_disk_matches_its_dequantized_copy(tmp_path):
+    """The released table is IQ4_NL: llama-quantize makes one (the rest Q8_0); read row by row with O_DIRECT and
+    decoded by our kernels, it must give the logits of the same file with every tensor dequantized by gguf-py."""
+    path = assets.quantized_gguf(assets.kquant_qwen4exp_dir(), "Q8_0",
+                                 ["--tensor-type", "per_layer_token_embd=iq4_nl"])
+    with open_gguf(path) as f:
+        assert type_name(f.tensors["per_layer_token_embd.weight"].ggml_type) == "IQ4_NL"
+    quantized = load_runtime(path, prefill_chunk=PREFILL_CHUNK, options=LoadOptions(ple_io="direct"))
+    reference = load_runtime(dequantized_copy(path, tmp_path / "dequantized.gguf"), prefill_chunk=PREFILL_CHUNK)
+    prompt = prompt_with_boundaries(2 * PREFILL_CHUNK + 5)
+    got = quantized.forward(quantized.new_state(), prompt)
+    assert max_rel_diff(got, reference.forward(reference.new_state(), prompt)) <= QUANTIZED_VS_DEQUANTIZED
+    assert quantized.model.ple_table.stats.rows_read > 0
 
 
 def test_state_snapshots_carry_the_ple_context(qwen4exp_f32_gguf):
