@@ -4,7 +4,14 @@ import hashlib
 import os
 from pathlib import Path
 
-import numba
+# Numba's parallel kernels run on an OpenMP pool whose idle threads spin for a while after each region; so do
+# OpenBLAS's threads after a matrix product. Prefill alternates the two (Numba decodes a weight tile, BLAS
+# multiplies it) and with both spinning on 2 cores each waited for the other: 30 ns per weight instead of
+# 1-5 (bench/README.md). Idle OpenMP threads sleep instead. Read when the OpenMP runtime starts, so it is set
+# before the first parallel kernel runs; a value the user set is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numba  # noqa: E402
 
 
 def _key_numba_cache_by_source() -> None:

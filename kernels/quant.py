@@ -15,14 +15,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 
-from .ggml_blocks import round_to_half
 
 # Rows decoded per tile in matmul: big enough for BLAS to be efficient, small enough that
 # the float32 tile (rows x k) stays in cache-sized territory.
 _MATMUL_TILE_ROWS = 128
+# Up to this many tokens, matmul decodes each row once and dots it with every token (quant_dispatch.matmul_rows)
+# instead of decoding tiles for BLAS: measured 2-4x faster for 1-10 tokens, even at 16, slower from 32.
+_FUSED_MATMUL_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -95,36 +96,22 @@ def dequantize(data: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.n
     return out.reshape(shape)
 
 
-@numba.njit(nogil=True, cache=True)
+def quantize_q8_blocks(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ggml's int8 activations of x [k] (Q8_0 for block 32, Q8_K for 256): codes, block scales, 16-sums."""
+    xq = np.empty(x.shape[0], np.int8)
+    xd = np.empty(x.shape[0] // block, np.float32)
+    quant_int.quantize_q8(x, block, xq, xd)
+    xs16 = np.empty(x.shape[0] // 16, np.int32)
+    quant_int.sums16(xq, xs16)
+    return xq, xd, xs16
+
+
 def _round_q8(x: np.ndarray, block: int) -> np.ndarray:
     """ggml's activation quantization (Q8_0 per 32 / Q8_K per 256), returned dequantized."""
-    out = np.empty_like(x)
-    for b0 in range(0, x.shape[0], block):
-        amax = np.float32(0.0)
-        vmax = np.float32(0.0)  # the value of largest magnitude, sign kept (Q8_K scales by it)
-        for i in range(b0, b0 + block):
-            if abs(x[i]) > amax:
-                amax = abs(x[i])
-                vmax = x[i]
-        if amax == 0:
-            out[b0:b0 + block] = 0.0
-        elif block == 32:
-            # Q8_0: d = amax/127 kept as fp16; q = roundf(x/d) with the unrounded d (ggml's order)
-            d = np.float32(amax / np.float32(127.0))
-            inv = np.float32(1.0) / d
-            d16 = round_to_half(d)
-            for i in range(b0, b0 + block):
-                v = x[i] * inv
-                q = np.floor(abs(v) + np.float32(0.5))  # roundf: halves away from zero
-                out[i] = (q if v >= 0 else -q) * d16
-        else:
-            # Q8_K: iscale = -127/max (signed), q = min(127, nearest_int(iscale*x)), d = 1/iscale in fp32
-            iscale = np.float32(-127.0) / vmax
-            d = np.float32(1.0) / iscale
-            for i in range(b0, b0 + block):
-                q = min(127.0, np.rint(iscale * x[i]))
-                out[i] = np.float32(q) * d
-    return out
+    xq = np.empty(x.shape[0], np.int8)
+    xd = np.empty(x.shape[0] // block, np.float32)
+    quant_int.quantize_q8(x, block, xq, xd)
+    return (xq.reshape(-1, block) * xd[:, None]).reshape(x.shape)
 
 
 def quantize_activations(x: np.ndarray, ggml_type: int) -> np.ndarray:
@@ -145,9 +132,13 @@ def matvec(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool = False
         raise ValueError(f"matvec takes a 1-D activation vector, got shape {x.shape}")
     _check_weights(w, fmt, x.shape[0])
     x = np.ascontiguousarray(x, np.float32)
+    out = np.empty(w.shape[0], np.float32)
+    if act_quant and quant_dispatch.has_int_dot(fmt.ggml_type):
+        # ggml's numerics at integer speed: int8 activations times the weight codes.
+        quant_dispatch.matvec_int(fmt.ggml_type, w, *quantize_q8_blocks(x, fmt.act_block), out)
+        return out
     if act_quant:
         x = quantize_activations(x, ggml_type)
-    out = np.empty(w.shape[0], np.float32)
     quant_dispatch.matvec(fmt.ggml_type, w, x, out)
     return out
 
@@ -164,6 +155,9 @@ def matmul(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool = False
         x = quantize_activations(x, ggml_type)
     n_rows = w.shape[0]
     out = np.empty((n, n_rows), np.float32)
+    if n <= _FUSED_MATMUL_MAX_TOKENS:
+        quant_dispatch.matmul_rows(fmt.ggml_type, w, x, out)
+        return out
     tile = np.empty((min(_MATMUL_TILE_ROWS, n_rows), k), np.float32)
     for r0 in range(0, n_rows, _MATMUL_TILE_ROWS):
         r1 = min(n_rows, r0 + _MATMUL_TILE_ROWS)
@@ -174,4 +168,4 @@ def matmul(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool = False
 
 
 # The format families register themselves on import; quant_dispatch imports them all.
-from . import quant_dispatch  # noqa: E402
+from . import quant_dispatch, quant_int  # noqa: E402

@@ -14,6 +14,7 @@ from .quant_iq import (IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, deq
 from .quant_k import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, dequant_q2_k, dequant_q3_k, dequant_q4_k, dequant_q5_k, dequant_q6_k
 from .quant_legacy import Q2_0, Q4_0, Q4_1, Q5_0, Q5_1, dequant_q2_0, dequant_q4_0, dequant_q4_1, dequant_q5_0, dequant_q5_1
 from .quant_dot import block_sums32, dot_q4_k, dot_q6_k, dot_q8_0
+from .quant_int import idot_q4_k, idot_q6_k, idot_q8_0
 from .quant_nl import IQ4_NL, IQ4_XS, MXFP4, dequant_iq4_nl, dequant_iq4_xs, dequant_mxfp4
 from .quant_q8 import Q8_0, dequant_q8_0
 
@@ -128,3 +129,44 @@ def matvec(t, w, x, out):
         for r in range(c * per, min(n_rows, (c + 1) * per)):
             dequant_row(t, w[r], buf)
             out[r] = _dot(buf, x)
+
+
+@numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
+def matmul_rows(t, w, x, out):
+    """out [n, rows] = x [n, k] @ W.T for a few tokens: each row decoded once into a scratch row, then
+    dotted with every token. Below ~16 tokens this beats decoding tiles for BLAS, whose cost per weight
+    barely falls with fewer tokens (a routed expert in a prompt chunk often sees only a handful)."""
+    n, k = x.shape
+    n_rows = w.shape[0]
+    n_chunks = min(n_rows, 64)
+    per = (n_rows + n_chunks - 1) // n_chunks
+    for c in numba.prange(n_chunks):
+        buf = np.empty(k, np.float32)
+        for r in range(c * per, min(n_rows, (c + 1) * per)):
+            dequant_row(t, w[r], buf)
+            for j in range(n):
+                out[j, r] = _dot(buf, x[j])
+
+
+@numba.njit(nogil=True)
+def has_int_dot(t):
+    """Types with an integer dot product against ggml-quantized activations (quant_int)."""
+    return t == Q8_0 or t == Q4_K or t == Q6_K
+
+
+@numba.njit(inline="always", nogil=True)
+def int_dot(t, src, xq, xd, xs16):
+    """Dot product of one row of a has_int_dot type with quantized activations (xq codes, xd block scales,
+    xs16 the codes' 16-sums)."""
+    if t == Q4_K:
+        return idot_q4_k(src, xq, xd, xs16)
+    if t == Q6_K:
+        return idot_q6_k(src, xq, xd, xs16)
+    return idot_q8_0(src, xq, xd)
+
+
+@numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
+def matvec_int(t, w, xq, xd, xs16, out):
+    """out = W @ x for a has_int_dot type, x given quantized (see quant_int)."""
+    for r in numba.prange(w.shape[0]):
+        out[r] = int_dot(t, w[r], xq, xd, xs16)

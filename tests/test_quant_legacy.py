@@ -23,8 +23,8 @@ from strata_async.kernels.quant_legacy import Q2_0, quantize_q2_0
 from strata_async.kernels.reference import dequantize_q2_0_ref, q8_k_activations_ref
 
 REL_TOL = 1e-6
-TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_0", "IQ4_NL", "IQ4_XS", "MXFP4"]
-GGUF_QUANTIZES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4"}
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_0", "IQ4_NL", "IQ4_XS", "MXFP4"]
+GGUF_QUANTIZES = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4"}
 BLOCK_ELEMS = {"Q2_0": 64, "IQ4_XS": 256}  # the rest hold 32 weights a block
 # Q4_1 and Q5_1 dot with Q8_1 activations, whose values are Q8_0's (same fp16 d = amax / 127 and
 # roundf); Q8_1 only adds a block sum.  gguf-py's Q8_0 therefore serves as their reference too.
