@@ -10,7 +10,9 @@ Measures, all with the same thread count:
   embedding row; the multi-token-prediction block is not run by plain decoding and is not counted;
 - roofline: bandwidth / bytes per token, and the fraction of it the engine reaches;
 - strata-async decode tokens/s (median over single-token steps after a short prompt) and prefill
-  tokens/s on a --prompt-token prompt (median of --prefill-repeats);
+  tokens/s on a --prompt-token prompt (median of --prefill-repeats), twice: with float32 activations (the
+  reference numerics, the default) and with activations rounded to int8 blocks as ggml does
+  (quantized_activations=True: integer dots for Q8_0 / Q4_K / Q6_K weights);
 - llama.cpp (llama-cpp-python) on the same file and threads when it is installed, alternating with
   strata-async repeat by repeat, and the ratio.
 Results: bench/results/decode_<tag>.json and .md.
@@ -133,26 +135,31 @@ class LlamaCpp:
 
 
 def markdown(r: dict) -> str:
-    s, ll = r["strata_async"], r.get("llama_cpp")
+    ll = r.get("llama_cpp")
     rows = [f"# Decode/prefill: {Path(r['model']).name}", "",
             (f"{r['date']}, commit {r['commit'][:12]}, {r['machine']}, {r['threads']} threads, "
             f"load average before {r['loadavg_before']}"), "",
-            "| | strata-async | llama.cpp | ratio |", "|---|---|---|---|"]
+            "| | strata-async | llama.cpp | ratio | % of roofline |", "|---|---|---|---|---|"]
 
-    def row(label: str, key: str) -> str:
+    def row(label: str, s: dict, key: str) -> str:
         mine = s[key]
         theirs = ll[key] if ll else None
         ratio = f"{mine / theirs:.2f}x" if theirs else "not run"
-        return f"| {label} | {mine:.2f} | {f'{theirs:.2f}' if theirs else 'not installed'} | {ratio} |"
+        roof = f"{100 * mine / r['roofline_tok_s']:.1f}%" if key == "decode_tok_s" else ""
+        return f"| {label} | {mine:.2f} | {f'{theirs:.2f}' if theirs else 'not installed'} | {ratio} | {roof} |"
 
-    rows += [row("decode tok/s", "decode_tok_s"), row(f"prefill tok/s ({r['prompt_tokens']} tokens)", "prefill_tok_s"),
-             "", (f"- read bandwidth: {r['bandwidth']['parallel_gbps']:.1f} GB/s ({r['threads']} threads; numpy "
+    prefill = f"prefill tok/s ({r['prompt_tokens']} tokens)"
+    for mode, key in (("float activations", "strata_async"), ("int8 activations", "strata_async_int8")):
+        rows += [row(f"decode tok/s, {mode}", r[key], "decode_tok_s"),
+                 row(f"{prefill}, {mode}", r[key], "prefill_tok_s")]
+    rows += ["", (f"- read bandwidth: {r['bandwidth']['parallel_gbps']:.1f} GB/s ({r['threads']} threads; numpy "
              f"1 thread {r['bandwidth']['numpy_1thread_gbps']:.1f} GB/s)"),
              (f"- bytes per decoded token: {r['bytes_per_token']['total'] / 1e6:.1f} MB "
              f"(routed experts {r['bytes_per_token']['routed_experts'] / 1e6:.1f}, output head "
              f"{r['bytes_per_token']['output_head'] / 1e6:.1f}, other {r['bytes_per_token']['other'] / 1e6:.1f})"),
              (f"- roofline: {r['roofline_tok_s']:.1f} tok/s; strata-async reaches "
-             f"{100 * r['roofline_fraction']:.1f}% of it")]
+             f"{100 * r['roofline_fraction']:.1f}% of it (float activations), "
+             f"{100 * r['roofline_fraction_int8']:.1f}% (int8 activations)")]
     return "\n".join(rows) + "\n"
 
 
@@ -172,6 +179,8 @@ def main() -> int:
     bandwidth = read_bandwidth(a.threads)
     per_token = bytes_per_token(a.model)
     rt = load_runtime(a.model, threads=a.threads, max_context=a.prompt + a.decode_tokens + 16)
+    rt_int8 = load_runtime(a.model, threads=a.threads, max_context=a.prompt + a.decode_tokens + 16,
+                           quantized_activations=True)
     rng = np.random.default_rng(0)  # ids below 1000: real (unpadded) tokens of any vocabulary
     short_prompt = rng.integers(0, 1000, 8)
     long_prompt = rng.integers(0, 1000, a.prompt)
@@ -183,15 +192,20 @@ def main() -> int:
             llama = None
 
     touch_pages(a.model)
-    strata_decode(rt, short_prompt[:2], 1)  # warm up: compile/load kernels, fault in the pages
+    for r in (rt, rt_int8):  # warm up: compile/load kernels, fault in the pages
+        strata_decode(r, short_prompt[:2], 1)
+        strata_prefill(r, short_prompt)
     mine = {"decode": [], "prefill": []}
+    mine_int8 = {"decode": [], "prefill": []}
     theirs = {"decode": [], "prefill": []}
     for _ in range(a.repeats):  # alternate the engines so drift in machine load hits both alike
         mine["decode"] += strata_decode(rt, short_prompt, a.decode_tokens)
+        mine_int8["decode"] += strata_decode(rt_int8, short_prompt, a.decode_tokens)
         if llama:
             theirs["decode"] += llama.decode(short_prompt, a.decode_tokens)
     for _ in range(a.prefill_repeats):
         mine["prefill"].append(strata_prefill(rt, long_prompt))
+        mine_int8["prefill"].append(strata_prefill(rt_int8, long_prompt))
         if llama:
             theirs["prefill"].append(llama.prefill(long_prompt))
 
@@ -210,13 +224,16 @@ def main() -> int:
         "loadavg_before": loadavg, "bandwidth": bandwidth, "bytes_per_token": per_token,
         "roofline_tok_s": roofline,
         "strata_async": summary(mine),
+        "strata_async_int8": summary(mine_int8),
         "llama_cpp": summary(theirs) if llama else None,
     }
     result["roofline_fraction"] = result["strata_async"]["decode_tok_s"] / roofline
+    result["roofline_fraction_int8"] = result["strata_async_int8"]["decode_tok_s"] / roofline
     if llama:
-        result["decode_ratio_vs_llama_cpp"] = result["strata_async"]["decode_tok_s"] / result["llama_cpp"]["decode_tok_s"]
-        result["prefill_ratio_vs_llama_cpp"] = (result["strata_async"]["prefill_tok_s"]
-                                                / result["llama_cpp"]["prefill_tok_s"])
+        for key, suffix in (("strata_async", ""), ("strata_async_int8", "_int8")):
+            for what in ("decode", "prefill"):
+                result[f"{what}_ratio_vs_llama_cpp{suffix}"] = (result[key][f"{what}_tok_s"]
+                                                                / result["llama_cpp"][f"{what}_tok_s"])
     tag = a.tag or Path(a.model).stem
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"decode_{tag}.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -18,8 +18,9 @@ import numba
 import numpy as np
 
 from .quant import _check_weights, _format
-from .quant_dispatch import _FASTMATH, _dot, dequant_row, fused_dot, has_fused_dot
+from .quant_dispatch import _FASTMATH, _dot, dequant_row, fused_dot, has_fused_dot, has_int_dot, int_dot
 from .quant_dot import block_sums32
+from .quant_int import quantize_q8, sums16
 
 _ROWS_PER_TASK = 16  # rows per parallel task: enough work per task, enough tasks for every core
 
@@ -64,13 +65,56 @@ def _swiglu_experts(tg, gate, tu, up, td, down, x, ids, weights, out):
             out[r] += acc
 
 
+@numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
+def _swiglu_experts_int(tg, gate, tu, up, td, down, x, x_block, h_block, ids, weights, out):
+    """The pool with ggml's numerics: x rounded to int8 blocks of x_block (gate/up's activation type), each
+    expert's SwiGLU output rounded to blocks of h_block before its down rows; integer dots throughout."""
+    k = ids.shape[0]
+    ffn = gate.shape[1]
+    hidden = down.shape[1]
+    xq = np.empty(x.shape[0], np.int8)
+    xd = np.empty(x.shape[0] // x_block, np.float32)
+    quantize_q8(x, x_block, xq, xd)
+    xs = np.empty(x.shape[0] // 16, np.int32)
+    sums16(xq, xs)
+    h = np.empty((k, ffn), np.float32)
+    per_expert = (ffn + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
+    for task in numba.prange(k * per_expert):
+        j = task // per_expert
+        e = ids[j]
+        for r in range((task % per_expert) * _ROWS_PER_TASK, min(ffn, (task % per_expert + 1) * _ROWS_PER_TASK)):
+            g = int_dot(tg, gate[e, r], xq, xd, xs)
+            u = int_dot(tu, up[e, r], xq, xd, xs)
+            h[j, r] = g / (np.float32(1.0) + np.exp(-g)) * u
+    hq = np.empty((k, ffn), np.int8)
+    hd = np.empty((k, ffn // h_block), np.float32)
+    hs = np.empty((k, ffn // 16), np.int32)
+    for j in numba.prange(k):
+        quantize_q8(h[j], h_block, hq[j], hd[j])
+        sums16(hq[j], hs[j])
+    n_tasks = (hidden + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
+    for task in numba.prange(n_tasks):
+        for r in range(task * _ROWS_PER_TASK, min(hidden, (task + 1) * _ROWS_PER_TASK)):
+            acc = np.float32(0.0)
+            for j in range(k):
+                acc += weights[j] * int_dot(td, down[ids[j], r], hq[j], hd[j], hs[j])
+            out[r] += acc
+
+
+def has_int_pool(gate_type: int, up_type: int, down_type: int) -> bool:
+    """Whether swiglu_experts(..., quantized_activations=True) has its integer path for these types."""
+    return (gate_type == up_type and bool(has_int_dot(gate_type)) and bool(has_int_dot(down_type)))
+
+
 def swiglu_experts(gate: np.ndarray, gate_type: int, up: np.ndarray, up_type: int, down: np.ndarray, down_type: int,
-                   x: np.ndarray, ids: np.ndarray, weights: np.ndarray, out: np.ndarray) -> np.ndarray:
+                   x: np.ndarray, ids: np.ndarray, weights: np.ndarray, out: np.ndarray,
+                   quantized_activations: bool = False) -> np.ndarray:
     """out += sum_j weights[j] * SwiGLU expert ids[j] of x, one token; returns out.
 
     gate, up: uint8 [n_experts, ffn, row bytes] (ggml rows of length hidden); down: uint8
     [n_experts, hidden, row bytes] (rows of length ffn); x, out: float32 [hidden]; ids: int [k]
-    (each < n_experts); weights: float32 [k].
+    (each < n_experts); weights: float32 [k]. quantized_activations: round x and each expert's SwiGLU output
+    to int8 blocks as ggml does and use integer dots (needs has_int_pool of the three types).
     """
     if gate.ndim != 3 or up.shape[:2] != gate.shape[:2] or down.ndim != 3 or down.shape[0] != gate.shape[0]:
         raise ValueError(f"expert tensors must be [n_experts, rows, row bytes] with matching gate/up; got gate "
@@ -86,6 +130,13 @@ def swiglu_experts(gate: np.ndarray, gate_type: int, up: np.ndarray, up_type: in
     weights = np.ascontiguousarray(weights, np.float32).reshape(-1)
     if ids.shape != weights.shape or (ids.size and (ids.min() < 0 or ids.max() >= n_experts)):
         raise ValueError(f"ids must be {weights.shape[0]} expert numbers below {n_experts}, got {ids}")
+    if quantized_activations:
+        if not has_int_pool(gate_type, up_type, down_type):
+            raise ValueError("the integer expert pool needs gate and up of one type and integer dots for "
+                             "gate/up and down (Q8_0, Q4_K, Q6_K)")
+        _swiglu_experts_int(int(gate_type), gate, int(up_type), up, int(down_type), down, np.ascontiguousarray(x),
+                            _format(gate_type).act_block, _format(down_type).act_block, ids, weights, out)
+        return out
     _swiglu_experts(int(gate_type), gate, int(up_type), up, int(down_type), down, np.ascontiguousarray(x), ids,
                     weights, out)
     return out

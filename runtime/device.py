@@ -74,8 +74,8 @@ class HostDevice:
 
     def swiglu_experts(self, x: np.ndarray, gate: QTensor, up: QTensor, down: QTensor, ids: np.ndarray,
                        weights: np.ndarray, out: np.ndarray) -> bool:
-        if self.quantized_activations:  # the pool dots float activations; ggml's rounding goes through linear
-            return False
+        if self.quantized_activations and not expert_pool.has_int_pool(gate.ggml_type, up.ggml_type, down.ggml_type):
+            return False  # ggml's rounding for these types goes through linear, one expert at a time
         expert_pool.swiglu_experts(gate.data, gate.ggml_type, up.data, up.ggml_type, down.data, down.ggml_type,
-                                   x, ids, weights, out)
+                                   x, ids, weights, out, self.quantized_activations)
         return True

@@ -86,3 +86,39 @@ def test_expert_pool_rejects_bad_ids(rng):
     x = rng.standard_normal(64).astype(np.float32)
     with pytest.raises(ValueError, match="expert numbers below 2"):
         swiglu_experts(gate, 8, gate, 8, down, 8, x, np.array([2]), np.ones(1, np.float32), np.zeros(64, np.float32))
+
+
+@pytest.mark.parametrize("types", [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0, Q.Q8_0), (Q.Q6_K, Q.Q6_K, Q.Q4_K)])
+def test_integer_expert_pool_matches_ggml_rounding(rng, types):
+    """quantized_activations: x rounded to int8 blocks as ggml does for gate/up, each expert's SwiGLU output
+    rounded again before its down rows, integer dots. Reference: float64 products of the same roundings
+    (quantize_activations, itself checked against ggml's rules); a rounding that falls the other way on a
+    float32-vs-float64 tie is allowed one quantization step."""
+    tg, tu, td = types
+    n_experts, ffn, hidden, k = 6, 512, 256, 4
+    gate = np.stack([random_rows(rng, tg, ffn, hidden) for _ in range(n_experts)])
+    up = np.stack([random_rows(rng, tu, ffn, hidden) for _ in range(n_experts)])
+    down = np.stack([random_rows(rng, td, hidden, ffn) for _ in range(n_experts)])
+    g64, u64, d64 = ([dequant64(m, t) for m in ms] for ms, t in ((gate, tg), (up, tu), (down, td)))
+    x = rng.standard_normal(hidden)
+    x /= max(max(np.abs(g).sum(axis=1).max() for g in g64), max(np.abs(u).sum(axis=1).max() for u in u64)) / 3
+    x = x.astype(np.float32)
+    ids = rng.choice(n_experts, k, replace=False)
+    weights = rng.uniform(0.05, 1.0, k).astype(np.float32)
+    base = rng.standard_normal(hidden).astype(np.float32)
+    got = swiglu_experts(gate, int(tg), up, int(tu), down, int(td), x, ids, weights, base.copy(),
+                         quantized_activations=True)
+    xr = quant.quantize_activations(x, int(tg)).astype(np.float64)
+    expected, bound = base.astype(np.float64), np.abs(base).astype(np.float64) * TOL
+    block = 32 if td == Q.Q8_0 else 256
+    for e, w in zip(ids, weights.astype(np.float64)):
+        g, u = g64[e] @ xr, u64[e] @ xr
+        h = g / (1 + np.exp(-g)) * u
+        hr = quant.quantize_activations(h.astype(np.float32), int(td)).astype(np.float64)
+        step = np.repeat(np.abs(h).reshape(-1, block).max(axis=1) / 127, block)
+        expected += w * (d64[e] @ hr)
+        bound += w * (np.abs(d64[e]) @ (step + TOL * (np.abs(hr) + 1)))
+    assert np.all(np.abs(got - expected) <= bound)
+    assert np.abs(got - base).max() > 0
+    float_pool = swiglu_experts(gate, int(tg), up, int(tu), down, int(td), x, ids, weights, base.copy())
+    assert np.abs(got - float_pool).max() > 0  # the rounding happened

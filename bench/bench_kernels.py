@@ -1,0 +1,124 @@
+"""How fast each decode kernel can go when memory is not the limit: weights per second from the cache.
+
+    python bench/bench_kernels.py [--rows 256] [--k 2048] [--repeats 7]
+
+For each weight type, a matrix of --rows x --k random valid blocks small enough to stay in the L2 cache is
+multiplied by a vector again and again on one thread, with float32 activations (the fused float dots) and
+with int8 activations rounded as ggml rounds them (the integer dots where the type has them). Reported: ns
+per weight and the weight bytes per second one core consumes, next to one core's read bandwidth from RAM
+(a Numba sum over 1 GiB). Where a kernel's in-cache rate is below the RAM rate, decode cannot reach the
+memory roofline whatever the memory does: the kernel's compute is the bound.
+Results: bench/results/kernels.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import numba
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+from synth_gguf import random_blocks
+
+from strata_async.kernels import quant
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TYPES = ("Q8_0", "Q4_K", "Q6_K", "Q2_K", "IQ2_XS", "Q5_K", "IQ4_XS")
+
+
+@numba.njit(parallel=True, nogil=True, fastmath=True)
+def _sum_u64(a):
+    chunks = 64
+    per = a.shape[0] // chunks
+    parts = np.zeros(chunks, np.uint64)
+    for c in numba.prange(chunks):
+        s = np.uint64(0)
+        for i in range(c * per, (c + 1) * per):
+            s += a[i]
+        parts[c] = s
+    return parts.sum()
+
+
+def ram_read_gbps(threads: int, nbytes: int = 1 << 30, passes: int = 5) -> float:
+    numba.set_num_threads(threads)
+    a = np.ones(nbytes // 8, np.uint64)
+    _sum_u64(a)
+    times = []
+    for _ in range(passes):
+        t = time.perf_counter()
+        _sum_u64(a)
+        times.append(time.perf_counter() - t)
+    return a.nbytes / float(np.median(times)) / 1e9
+
+
+def kernel_rate(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool, repeats: int) -> float:
+    """Median seconds of one matvec (one thread)."""
+    quant.matvec(w, ggml_type, x, act_quant)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(20):
+            quant.matvec(w, ggml_type, x, act_quant)
+        times.append((time.perf_counter() - t) / 20)
+    return float(np.median(times))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="in-cache speed of the decode kernels vs one core's RAM bandwidth")
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--k", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=7)
+    a = ap.parse_args()
+    ram = {t: ram_read_gbps(t) for t in (1, numba.config.NUMBA_NUM_THREADS)}
+    numba.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(a.k).astype(np.float32)
+    rows = []
+    for name in TYPES:
+        t = int(getattr(Q, name))
+        block_elems = quant.block_size(t)[0]
+        if name == "Q8_0":
+            from gguf.quants import quantize
+
+            w = quantize(rng.standard_normal((a.rows, a.k)).astype(np.float32), Q.Q8_0)
+        else:
+            w = random_blocks(t, a.rows * a.k // block_elems, rng).reshape(a.rows, -1)
+        n = a.rows * a.k
+        for act_quant in (False, True):
+            s = kernel_rate(w, t, x, act_quant, a.repeats)
+            rows.append({"type": name, "activations": "int8" if act_quant else "float32",
+                         "integer_dot": bool(act_quant and quant.quant_dispatch.has_int_dot(t)),
+                         "ns_per_weight": s / n * 1e9, "weight_gbps_per_core": w.nbytes / s / 1e9,
+                         "bytes_per_weight": w.nbytes / n})
+    result = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+              "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False,
+                                       cwd=Path(__file__).parent).stdout.strip(),
+              "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+              "matrix": [a.rows, a.k], "ram_read_gbps": ram, "kernels": rows}
+    md = ["# Decode kernels from the cache vs RAM bandwidth", "",
+          f"{result['date']}, commit {result['commit'][:12]}, {result['machine']}; a {a.rows} x {a.k} matrix "
+          f"(L2-resident) times a vector, one thread, median of {a.repeats} x 20 products.", "",
+          f"RAM read bandwidth: {ram[1]:.1f} GB/s on one thread, "
+          f"{ram[numba.config.NUMBA_NUM_THREADS]:.1f} GB/s on {numba.config.NUMBA_NUM_THREADS}.", "",
+          "| type | activations | kernel | ns / weight | weight GB/s per core | vs one core's RAM rate |",
+          "|---|---|---|---:|---:|---:|"]
+    for r in rows:
+        fused = bool(quant.quant_dispatch.has_fused_dot(int(getattr(Q, r["type"]))))
+        kind = "integer dot" if r["integer_dot"] else ("fused float dot" if fused else "decode row, float dot")
+        md.append(f"| {r['type']} | {r['activations']} | {kind} | {r['ns_per_weight']:.3f} | "
+                  f"{r['weight_gbps_per_core']:.2f} | {r['weight_gbps_per_core'] / ram[1]:.2f}x |")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "kernels.json").write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / "kernels.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
