@@ -24,6 +24,9 @@ _MATMUL_TILE_ROWS = 128
 # Up to this many tokens, matmul decodes each row once and dots it with every token (quant_dispatch.matmul_rows)
 # instead of decoding tiles for BLAS: measured 2-4x faster for 1-10 tokens, even at 16, slower from 32.
 _FUSED_MATMUL_MAX_TOKENS = 16
+# Matrices up to this size are multiplied by a vector on the calling thread: waking the sleeping workers
+# (~0.1-0.3 ms here) costs more than the product (e.g. a DeltaNet layer's beta/alpha rows, a shared-expert gate).
+_SERIAL_MATVEC_BYTES = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -133,13 +136,15 @@ def matvec(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool = False
     _check_weights(w, fmt, x.shape[0])
     x = np.ascontiguousarray(x, np.float32)
     out = np.empty(w.shape[0], np.float32)
+    serial = w.nbytes <= _SERIAL_MATVEC_BYTES
     if act_quant and quant_dispatch.has_int_dot(fmt.ggml_type):
         # ggml's numerics at integer speed: int8 activations times the weight codes.
-        quant_dispatch.matvec_int(fmt.ggml_type, w, *quantize_q8_blocks(x, fmt.act_block), out)
+        kernel = quant_dispatch.matvec_int_serial if serial else quant_dispatch.matvec_int
+        kernel(fmt.ggml_type, w, *quantize_q8_blocks(x, fmt.act_block), out)
         return out
     if act_quant:
         x = quantize_activations(x, ggml_type)
-    quant_dispatch.matvec(fmt.ggml_type, w, x, out)
+    (quant_dispatch.matvec_serial if serial else quant_dispatch.matvec)(fmt.ggml_type, w, x, out)
     return out
 
 

@@ -109,11 +109,10 @@ def fused_dot(t, src, x, xsum32):
     return dot_q8_0(src, x)
 
 
-# fastmath here too: inlined dots take the flags of the function they are compiled into.
-@numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
-def matvec(t, w, x, out):
+@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def _matvec_rows(t, w, x, out):
     """out = W @ x, W given as rows of ggml blocks: fused block dots where the type has them, else each
-    row decoded into a scratch row and dotted."""
+    row decoded into a scratch row and dotted. prange: parallel in matvec, a plain loop in matvec_serial."""
     n_rows = w.shape[0]
     if has_fused_dot(t):
         xsum32 = np.empty(x.shape[0] // 32, np.float32)
@@ -129,6 +128,20 @@ def matvec(t, w, x, out):
         for r in range(c * per, min(n_rows, (c + 1) * per)):
             dequant_row(t, w[r], buf)
             out[r] = _dot(buf, x)
+
+
+# fastmath here too: inlined dots take the flags of the function they are compiled into.
+@numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
+def matvec(t, w, x, out):
+    """out = W @ x over the worker threads."""
+    _matvec_rows(t, w, x, out)
+
+
+@numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)
+def matvec_serial(t, w, x, out):
+    """out = W @ x on the calling thread: for small matrices, where waking the workers costs more than the
+    product (idle workers sleep, see kernels/__init__.py)."""
+    _matvec_rows(t, w, x, out)
 
 
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
@@ -165,8 +178,19 @@ def int_dot(t, src, xq, xd, xs16):
     return idot_q8_0(src, xq, xd)
 
 
+@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def _matvec_int_rows(t, w, xq, xd, xs16, out):
+    for r in numba.prange(w.shape[0]):
+        out[r] = int_dot(t, w[r], xq, xd, xs16)
+
+
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
 def matvec_int(t, w, xq, xd, xs16, out):
     """out = W @ x for a has_int_dot type, x given quantized (see quant_int)."""
-    for r in numba.prange(w.shape[0]):
-        out[r] = int_dot(t, w[r], xq, xd, xs16)
+    _matvec_int_rows(t, w, xq, xd, xs16, out)
+
+
+@numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)
+def matvec_int_serial(t, w, xq, xd, xs16, out):
+    """matvec_int on the calling thread (small matrices)."""
+    _matvec_int_rows(t, w, xq, xd, xs16, out)
