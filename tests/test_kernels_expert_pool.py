@@ -13,7 +13,7 @@ from strata_async.kernels import quant
 from strata_async.kernels.expert_pool import swiglu_experts
 
 Q = gguf.GGMLQuantizationType
-SCALE_OFFSETS = {Q.Q4_K: (0, 2), Q.Q6_K: (208,), Q.Q2_K: (80, 82)}
+SCALE_OFFSETS = {Q.Q4_K: (0, 2), Q.Q6_K: (208,), Q.Q2_K: (80, 82), Q.IQ2_XS: (0,)}
 TOL = 1e-5
 
 
@@ -33,7 +33,7 @@ def dequant64(w: np.ndarray, t: Q) -> np.ndarray:
     return gguf.quants.dequantize(w, t).astype(np.float64)
 
 
-@pytest.mark.parametrize("t", [Q.Q8_0, Q.Q4_K, Q.Q6_K])
+@pytest.mark.parametrize("t", [Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.IQ2_XS])
 @pytest.mark.parametrize("rows,k", [(1, 256), (37, 512), (131, 2048)])
 def test_fused_matvec_matches_float64(rng, t, rows, k):
     w = random_rows(rng, t, rows, k)
@@ -53,7 +53,8 @@ def swiglu_ref(x, gate, up, down, ids, weights):
     return out
 
 
-@pytest.mark.parametrize("types", [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0, Q.Q8_0), (Q.Q2_K, Q.Q4_0, Q.Q4_K)])
+@pytest.mark.parametrize("types", [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0, Q.Q8_0), (Q.Q2_K, Q.Q4_0, Q.Q4_K),
+                                   (Q.IQ2_XS, Q.IQ2_XS, Q.IQ2_XS)])
 @pytest.mark.parametrize("n_experts,ffn,hidden,k", [(8, 256, 256, 3), (6, 512, 256, 5), (4, 256, 512, 1)])
 def test_expert_pool_matches_float64(rng, types, n_experts, ffn, hidden, k):
     tg, tu, td = types
