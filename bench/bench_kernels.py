@@ -24,12 +24,13 @@ from pathlib import Path
 import numba
 import numpy as np
 from gguf import GGMLQuantizationType as Q
-from synth_gguf import random_blocks
+from synth_gguf import _quantized_pool, random_blocks
 
 from strata_async.kernels import quant
+from strata_async.kernels.quant_legacy import Q2_0
 
 RESULTS = Path(__file__).resolve().parent / "results"
-TYPES = ("Q8_0", "Q4_K", "Q6_K", "Q2_K", "IQ2_XS", "Q5_K", "IQ4_XS")
+TYPES = ("Q8_0", "Q4_K", "Q6_K", "Q2_K", "IQ2_XS", "Q2_0")
 
 
 @numba.njit(parallel=True, nogil=True, fastmath=True)
@@ -81,14 +82,10 @@ def main() -> int:
     x = rng.standard_normal(a.k).astype(np.float32)
     rows = []
     for name in TYPES:
-        t = int(getattr(Q, name))
+        t = Q2_0 if name == "Q2_0" else int(getattr(Q, name))
         block_elems = quant.block_size(t)[0]
-        if name == "Q8_0":
-            from gguf.quants import quantize
-
-            w = quantize(rng.standard_normal((a.rows, a.k)).astype(np.float32), Q.Q8_0)
-        else:
-            w = random_blocks(t, a.rows * a.k // block_elems, rng).reshape(a.rows, -1)
+        pool = _quantized_pool(t, rng)  # Q8_0, Q2_0: real quantizer output; the others: random valid blocks
+        w = random_blocks(t, a.rows * a.k // block_elems, rng, pool=pool).reshape(a.rows, -1)
         n = a.rows * a.k
         for act_quant in (False, True):
             s = kernel_rate(w, t, x, act_quant, a.repeats)
@@ -109,7 +106,7 @@ def main() -> int:
           "| type | activations | kernel | ns / weight | weight GB/s per core | vs one core's RAM rate |",
           "|---|---|---|---:|---:|---:|"]
     for r in rows:
-        fused = bool(quant.quant_dispatch.has_fused_dot(int(getattr(Q, r["type"]))))
+        fused = bool(quant.quant_dispatch.has_fused_dot(Q2_0 if r["type"] == "Q2_0" else int(getattr(Q, r["type"]))))
         kind = "integer dot" if r["integer_dot"] else ("fused float dot" if fused else "decode row, float dot")
         md.append(f"| {r['type']} | {r['activations']} | {kind} | {r['ns_per_weight']:.3f} | "
                   f"{r['weight_gbps_per_core']:.2f} | {r['weight_gbps_per_core'] / ram[1]:.2f}x |")
