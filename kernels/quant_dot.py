@@ -41,6 +41,18 @@ def dot_q8_0(src, x):
     return acc
 
 
+@numba.njit(inline="always", nogil=True)
+def q4_k_scales(src, o, j):
+    """The 6-bit scales and mins of Q4_K sub-blocks j and j + 1 (j even) of the block at byte o."""
+    if j < 4:
+        return (np.int32(src[o + 4 + j] & 63), np.int32(src[o + 8 + j] & 63),
+                np.int32(src[o + 5 + j] & 63), np.int32(src[o + 9 + j] & 63))
+    return (np.int32((src[o + 8 + j] & 0xF) | ((src[o + j] >> 6) << 4)),
+            np.int32((src[o + 8 + j] >> 4) | ((src[o + 4 + j] >> 6) << 4)),
+            np.int32((src[o + 9 + j] & 0xF) | ((src[o + 1 + j] >> 6) << 4)),
+            np.int32((src[o + 9 + j] >> 4) | ((src[o + 5 + j] >> 6) << 4)))
+
+
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def dot_q4_k(src, x, xsum32):
     """One Q4_K row: per 32-weight sub-block, d*sc * sum(q x) - dmin*m * sum(x)."""
@@ -51,16 +63,7 @@ def dot_q4_k(src, x, xsum32):
         dmin = f16(src, o + 2)
         for g in range(4):
             j = 2 * g  # sub-blocks j (low nibbles) and j + 1 (high nibbles) share 32 bytes
-            if j < 4:
-                sc1 = np.int32(src[o + 4 + j] & 63)
-                m1 = np.int32(src[o + 8 + j] & 63)
-                sc2 = np.int32(src[o + 5 + j] & 63)
-                m2 = np.int32(src[o + 9 + j] & 63)
-            else:
-                sc1 = np.int32((src[o + 8 + j] & 0xF) | ((src[o + j] >> 6) << 4))
-                m1 = np.int32((src[o + 8 + j] >> 4) | ((src[o + 4 + j] >> 6) << 4))
-                sc2 = np.int32((src[o + 9 + j] & 0xF) | ((src[o + 1 + j] >> 6) << 4))
-                m2 = np.int32((src[o + 9 + j] >> 4) | ((src[o + 5 + j] >> 6) << 4))
+            sc1, m1, sc2, m2 = q4_k_scales(src, o, j)
             qs = o + 16 + 32 * g
             y = 256 * b + 64 * g
             s1 = np.float32(0.0)

@@ -17,6 +17,7 @@ import numba
 import numpy as np
 
 from .ggml_blocks import f16, round_to_half
+from .quant_dot import q4_k_scales
 
 _FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 
@@ -95,16 +96,7 @@ def idot_q4_k(src, xq, xd, xs16):
         imin = np.int32(0)
         for g in range(4):
             j = 2 * g  # sub-blocks j (low nibbles) and j + 1 (high nibbles) share 32 bytes
-            if j < 4:
-                sc1 = np.int32(src[o + 4 + j] & 63)
-                m1 = np.int32(src[o + 8 + j] & 63)
-                sc2 = np.int32(src[o + 5 + j] & 63)
-                m2 = np.int32(src[o + 9 + j] & 63)
-            else:
-                sc1 = np.int32((src[o + 8 + j] & 0xF) | ((src[o + j] >> 6) << 4))
-                m1 = np.int32((src[o + 8 + j] >> 4) | ((src[o + 4 + j] >> 6) << 4))
-                sc2 = np.int32((src[o + 9 + j] & 0xF) | ((src[o + 1 + j] >> 6) << 4))
-                m2 = np.int32((src[o + 9 + j] >> 4) | ((src[o + 5 + j] >> 6) << 4))
+            sc1, m1, sc2, m2 = q4_k_scales(src, o, j)
             qs = o + 16 + 32 * g
             y = 256 * b + 64 * g
             s1 = np.int32(0)
