@@ -37,12 +37,8 @@ class KVCache:
         end = self.length + k.shape[0]
         if end > self.max_context:
             raise ValueError(f"KV cache holds at most {self.max_context} positions; {end} requested")
-        if end > self.k.shape[0]:
-            cap = min(self.max_context, max(end, 2 * self.k.shape[0]))
-            for name in ("k", "v"):
-                grown = np.zeros((cap, self.n_kv_heads, self.head_dim), np.float32)
-                grown[: self.length] = getattr(self, name)[: self.length]
-                setattr(self, name, grown)
+        self.k = _grown(self.k, end, self.length, self.max_context)
+        self.v = _grown(self.v, end, self.length, self.max_context)
         self.k[self.length:end] = k
         self.v[self.length:end] = v
         self.length = end
@@ -128,11 +124,13 @@ class IndexedKVCache(KVCache):
         return super().nbytes + self.index_k[: self.length].nbytes + self.block_k[: self.n_blocks].nbytes
 
 
-def _grown(a: np.ndarray, rows: int, keep: int) -> np.ndarray:
-    """``a`` with at least ``rows`` rows (doubling), its first ``keep`` rows kept; ``a`` itself if big enough."""
+def _grown(a: np.ndarray, rows: int, keep: int, limit: int | None = None) -> np.ndarray:
+    """``a`` with at least ``rows`` rows (doubling, at most ``limit``), its first ``keep`` rows kept; ``a`` itself
+    if big enough."""
     if a.shape[0] >= rows:
         return a
-    grown = np.zeros((max(rows, 2 * a.shape[0]), *a.shape[1:]), a.dtype)
+    size = max(rows, 2 * a.shape[0])
+    grown = np.zeros((size if limit is None else min(size, limit), *a.shape[1:]), a.dtype)
     grown[:keep] = a[:keep]
     return grown
 

@@ -92,6 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# strata_async.io.ple_rows.MODES, spelled out so --help does not import the I/O layer (tests check they agree)
 PLE_IO_MODES = ("direct", "mmap", "ram")
 
 

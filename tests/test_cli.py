@@ -133,3 +133,11 @@ def test_ple_table_options_on_a_qwen4exp_file(home, qwen4exp_f32_gguf):
     assert runs["direct"] == runs["ram"]
     _assert_user_error(cli(home, "run", str(qwen4exp_f32_gguf), "-p", "x", "--ple-cache-rows", "0"),
                        "--ple-cache-rows must be at least 1")
+
+
+def test_ple_io_choices_are_the_row_source_modes():
+    from strata_async.cli import PLE_IO_MODES
+    from strata_async.io.ple_rows import MODES
+    from strata_async.runtime.placement import NGRAM_TIERS
+
+    assert PLE_IO_MODES == MODES == tuple(NGRAM_TIERS)
