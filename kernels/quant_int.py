@@ -4,13 +4,11 @@ ggml multiplies a quantized weight row by activations it first rounds to int8 bl
 values: an fp16 scale, 32 int8) for Q8_0 weights, Q8_K (per 256: a float32 scale, 256 int8 and the sums of
 each 16) for the K-quants. The products inside a block are then exact integers and only the block's
 scales are floating point. These kernels do the same: the codes of a weight block times the int8
-activations, summed in 16/32-bit integer lanes that LLVM vectorizes (vpmaddwd), one float multiply per
+activations, summed in vector lanes (kernels/simd.py: vpmaddwd or vpdpbusd), one float multiply per
 (sub-)block. The activations take a quarter of the float32 bytes, which also relieves the caches.
 
 Results equal the float dot product of the dequantized weights with the dequantized activations up to
 float32 rounding (tests compare with float64), so this is the fast path of ``quantized_activations``.
-The explicit np.int16 / np.int32 casts keep Numba's integer arithmetic (which widens to int64) in narrow
-vector lanes.
 """
 
 import numba
@@ -18,6 +16,7 @@ import numpy as np
 
 from .ggml_blocks import f16, round_to_half
 from .quant_dot import q4_k_scales
+from .simd import idot_bits_32, idot_q6_16, idot_s8_32
 
 _FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 
@@ -79,10 +78,7 @@ def idot_q8_0(src, xq, xd):
     acc = np.float32(0.0)
     for b in range(xq.shape[0] // 32):
         o = b * 34
-        s = np.int32(0)
-        for i in range(32):
-            s = np.int32(s + np.int32(np.int16(np.int8(src[o + 2 + i])) * np.int16(xq[32 * b + i])))
-        acc += f16(src, o) * xd[b] * np.float32(s)
+        acc += f16(src, o) * xd[b] * np.float32(idot_s8_32(src, o + 2, xq, 32 * b))
     return acc
 
 
@@ -99,12 +95,8 @@ def idot_q4_k(src, xq, xd, xs16):
             sc1, m1, sc2, m2 = q4_k_scales(src, o, j)
             qs = o + 16 + 32 * g
             y = 256 * b + 64 * g
-            s1 = np.int32(0)
-            s2 = np.int32(0)
-            for l in range(32):
-                v = src[qs + l]
-                s1 = np.int32(s1 + np.int32(np.int16(v & 0xF) * np.int16(xq[y + l])))
-                s2 = np.int32(s2 + np.int32(np.int16(v >> 4) * np.int16(xq[y + 32 + l])))
+            s1 = idot_bits_32(src, qs, 0, 15, xq, y)
+            s2 = idot_bits_32(src, qs, 4, 15, xq, y + 32)
             g16 = 16 * b + 4 * g  # the 16-sums of sub-blocks j and j + 1
             isc += sc1 * s1 + sc2 * s2
             imin += m1 * (xs16[g16] + xs16[g16 + 1]) + m2 * (xs16[g16 + 2] + xs16[g16 + 3])
@@ -115,7 +107,7 @@ def idot_q4_k(src, xq, xd, xs16):
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def idot_q6_k(src, xq, xd, xs16):
     """One Q6_K row times Q8_K activations: per 16-run int8 scale * sum((code - 32) x), per 256 the fp16 d.
-    The -32 offset is taken out of the inner loop with the activations' 16-sums."""
+    The -32 offset is taken out of the products with the activations' 16-sums."""
     acc = np.float32(0.0)
     for b in range(xq.shape[0] // 256):
         o = b * 210
@@ -125,22 +117,10 @@ def idot_q6_k(src, xq, xd, xs16):
                 ql = o + 64 * half + 16 * part
                 qh = o + 128 + 32 * half + 16 * part
                 y = 256 * b + 128 * half + 16 * part
-                s0 = np.int32(0)
-                s1 = np.int32(0)
-                s2 = np.int32(0)
-                s3 = np.int32(0)
-                for l in range(16):
-                    a = src[ql + l]
-                    c = src[ql + 32 + l]
-                    h = src[qh + l]
-                    q0 = np.int16(np.uint8(a & 0xF) | np.uint8((h & 3) << 4))
-                    q1 = np.int16(np.uint8(c & 0xF) | np.uint8((h & 12) << 2))
-                    q2 = np.int16(np.uint8(a >> 4) | np.uint8(h & 48))
-                    q3 = np.int16(np.uint8(c >> 4) | np.uint8((h & 192) >> 2))
-                    s0 = np.int32(s0 + np.int32(np.int16(q0 * np.int16(xq[y + l]))))
-                    s1 = np.int32(s1 + np.int32(np.int16(q1 * np.int16(xq[y + 32 + l]))))
-                    s2 = np.int32(s2 + np.int32(np.int16(q2 * np.int16(xq[y + 64 + l]))))
-                    s3 = np.int32(s3 + np.int32(np.int16(q3 * np.int16(xq[y + 96 + l]))))
+                s0 = idot_q6_16(src, ql, 0, src, qh, 0, xq, y)
+                s1 = idot_q6_16(src, ql + 32, 0, src, qh, 2, xq, y + 32)
+                s2 = idot_q6_16(src, ql, 4, src, qh, 4, xq, y + 64)
+                s3 = idot_q6_16(src, ql + 32, 4, src, qh, 6, xq, y + 96)
                 sc = o + 192 + 8 * half + part
                 g = y // 16
                 isum += (_i8(src[sc]) * (s0 - 32 * xs16[g]) + _i8(src[sc + 2]) * (s1 - 32 * xs16[g + 2])
