@@ -43,10 +43,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--tag", default=None)
+    ap.add_argument("--int8", action="store_true", help="quantized activations (the integer dots)")
     a = ap.parse_args()
 
     marks: list[tuple[str, int, float]] = []
-    rt = load_runtime(a.model, threads=a.threads, max_context=64,
+    rt = load_runtime(a.model, threads=a.threads, max_context=64, quantized_activations=a.int8,
                       debug_hook=lambda name, layer, t: marks.append((name, layer, time.perf_counter())))
     touch_pages(a.model)
     state = rt.new_state()

@@ -10,7 +10,7 @@ import numpy as np
 
 from .quant_float import BF16, F16, F32, dequant_bf16, dequant_f16, dequant_f32
 from .quant_iq import (IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, dequant_iq1_m, dequant_iq1_s, dot_iq2_xs,
-                       dequant_iq2_s, dequant_iq2_xs, dequant_iq2_xxs, dequant_iq3_s, dequant_iq3_xxs)
+                       dequant_iq2_s, dequant_iq2_xs, dequant_iq2_xxs, dequant_iq3_s, dequant_iq3_xxs, idot_iq2_xs)
 from .quant_k import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, dequant_q2_k, dequant_q3_k, dequant_q4_k, dequant_q5_k, dequant_q6_k
 from .quant_legacy import Q2_0, Q4_0, Q4_1, Q5_0, Q5_1, dequant_q2_0, dequant_q4_0, dequant_q4_1, dequant_q5_0, dequant_q5_1
 from .quant_dot import block_sums32, dot_q4_k, dot_q6_k, dot_q8_0
@@ -166,7 +166,7 @@ def matmul_rows(t, w, x, out):
 @numba.njit(nogil=True)
 def has_int_dot(t):
     """Types with an integer dot product against ggml-quantized activations (quant_int)."""
-    return t == Q8_0 or t == Q4_K or t == Q6_K
+    return t == Q8_0 or t == Q4_K or t == Q6_K or t == IQ2_XS
 
 
 @numba.njit(inline="always", nogil=True)
@@ -177,6 +177,8 @@ def int_dot(t, src, xq, xd, xs16):
         return idot_q4_k(src, xq, xd, xs16)
     if t == Q6_K:
         return idot_q6_k(src, xq, xd, xs16)
+    if t == IQ2_XS:
+        return idot_iq2_xs(src, xq, xd)
     return idot_q8_0(src, xq, xd)
 
 

@@ -15,8 +15,7 @@ import numba
 import numpy as np
 
 from .ggml_blocks import f16, round_to_half
-from .quant_dot import q4_k_scales
-from .simd import idot_bits_32, idot_q6_16, idot_s8_32
+from .simd import idot_q4_k_block, idot_q6_half, idot_s8_32
 
 _FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 
@@ -66,12 +65,6 @@ def sums16(xq, out):
         out[j] = s
 
 
-@numba.njit(inline="always", nogil=True)
-def _i8(v):
-    """A byte read as int8, as int32."""
-    return np.int32(v) - 256 if v > 127 else np.int32(v)
-
-
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def idot_q8_0(src, xq, xd):
     """One Q8_0 row (fp16 d, 32 int8 per block) times Q8_0 activations."""
@@ -88,42 +81,21 @@ def idot_q4_k(src, xq, xd, xs16):
     acc = np.float32(0.0)
     for b in range(xq.shape[0] // 256):
         o = b * 144
-        isc = np.int32(0)
-        imin = np.int32(0)
-        for g in range(4):
-            j = 2 * g  # sub-blocks j (low nibbles) and j + 1 (high nibbles) share 32 bytes
-            sc1, m1, sc2, m2 = q4_k_scales(src, o, j)
-            qs = o + 16 + 32 * g
-            y = 256 * b + 64 * g
-            s1 = idot_bits_32(src, qs, 0, 15, xq, y)
-            s2 = idot_bits_32(src, qs, 4, 15, xq, y + 32)
-            g16 = 16 * b + 4 * g  # the 16-sums of sub-blocks j and j + 1
-            isc += sc1 * s1 + sc2 * s2
-            imin += m1 * (xs16[g16] + xs16[g16 + 1]) + m2 * (xs16[g16 + 2] + xs16[g16 + 3])
-        acc += xd[b] * (f16(src, o) * np.float32(isc) - f16(src, o + 2) * np.float32(imin))
+        acc += xd[b] * idot_q4_k_block(src, o, xq, 256 * b, xs16, 16 * b, f16(src, o), f16(src, o + 2))
     return acc
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def idot_q6_k(src, xq, xd, xs16):
     """One Q6_K row times Q8_K activations: per 16-run int8 scale * sum((code - 32) x), per 256 the fp16 d.
-    The -32 offset is taken out of the products with the activations' 16-sums."""
+    (xs16, the activations' 16-sums, is not needed: the offset is applied in the vector lanes.)"""
     acc = np.float32(0.0)
     for b in range(xq.shape[0] // 256):
         o = b * 210
         isum = np.int32(0)
         for half in range(2):
-            for part in range(2):
-                ql = o + 64 * half + 16 * part
-                qh = o + 128 + 32 * half + 16 * part
-                y = 256 * b + 128 * half + 16 * part
-                s0 = idot_q6_16(src, ql, 0, src, qh, 0, xq, y)
-                s1 = idot_q6_16(src, ql + 32, 0, src, qh, 2, xq, y + 32)
-                s2 = idot_q6_16(src, ql, 4, src, qh, 4, xq, y + 64)
-                s3 = idot_q6_16(src, ql + 32, 4, src, qh, 6, xq, y + 96)
-                sc = o + 192 + 8 * half + part
-                g = y // 16
-                isum += (_i8(src[sc]) * (s0 - 32 * xs16[g]) + _i8(src[sc + 2]) * (s1 - 32 * xs16[g + 2])
-                         + _i8(src[sc + 4]) * (s2 - 32 * xs16[g + 4]) + _i8(src[sc + 6]) * (s3 - 32 * xs16[g + 6]))
+            y = 256 * b + 128 * half
+            sc = o + 192 + 8 * half
+            isum += idot_q6_half(src, o + 64 * half, o + 128 + 32 * half, sc, xq, y)
         acc += f16(src, o + 208) * xd[b] * np.float32(isum)
     return acc

@@ -93,30 +93,167 @@ def _make_idot_bits(n):
     return idot_bits
 
 
-def _make_idot_q6(n):
-    @intrinsic
-    def idot_q6(typingctx, ql, lo, lshift, qh, ho, hshift, x, xo):
-        """sum over i < n of (((ql[lo + i] >> lshift) & 15) | (((qh[ho + i] >> hshift) & 3) << 4)) * x[xo + i]:
-        Q6_K's 6-bit codes from their low nibble and high 2 bits."""
-        if not (_byte_array(ql) and _byte_array(qh) and _byte_array(x)):
-            return None
+def _vec_const(width, values):
+    return ir.Constant(ir.VectorType(ir.IntType(width), len(values)), list(values))
 
-        def codegen(context, builder, sig, args):
-            vl = _load(context, builder, sig.args[0], args[0], args[1], n)
-            low = builder.and_(builder.lshr(vl, _splat(builder, args[2], n)), ir.Constant(ir.VectorType(_I8, n), 15))
-            vh = _load(context, builder, sig.args[3], args[3], args[4], n)
-            high = builder.and_(builder.lshr(vh, _splat(builder, args[5], n)), ir.Constant(ir.VectorType(_I8, n), 3))
-            codes = builder.or_(low, builder.shl(high, ir.Constant(ir.VectorType(_I8, n), 4)))
-            vx = _load(context, builder, sig.args[6], args[6], args[7], n)
-            return _reduce_dot(builder, codes, False, vx, n)
-        return types.int32(ql, lo, lshift, qh, ho, hshift, x, xo), codegen
-    return idot_q6
+
+def _reduce_add(builder, vec, n):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, [vec.type]),
+                                        f"llvm.vector.reduce.add.v{n}i32")
+    return builder.call(fn, [vec])
+
+
+def _scaled_products(builder, codes, scales16, x, signed=False):
+    """(codes * scales) * x over 32 lanes as <32 x i32>: codes <32 x i8> (unsigned unless `signed`), scales
+    <32 x i16>, x <32 x i8>. code * scale fits int16 for every format here (6-bit code * int8 scale), so the
+    second product is the int16 x int8 multiply-add the backend lowers to vpmaddwd."""
+    v16 = ir.VectorType(ir.IntType(16), 32)
+    v32 = ir.VectorType(_I32, 32)
+    weighted = builder.mul(builder.sext(codes, v16) if signed else builder.zext(codes, v16), scales16)
+    return builder.mul(builder.sext(weighted, v32), builder.sext(x, v32))
+
+
+@intrinsic
+def idot_q6_half(typingctx, src, ql, qh, sc, x, xo):
+    """One half (128 weights) of a Q6_K block times int8 activations, each 16-run times its int8 scale:
+    sum_k sum_i scale[k] * (code_i - 32) * x_i with the 6-bit codes from 64 low-nibble bytes at ql and 32
+    high-bit bytes at qh, the 8 scales at sc; one reduction for all 128."""
+    if not (_byte_array(src) and _byte_array(x)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ary_ty, ary = sig.args[0], args[0]
+        one = ir.Constant(args[1].type, 32)
+        ql0 = _load(context, builder, ary_ty, ary, args[1], 32)
+        ql1 = _load(context, builder, ary_ty, ary, builder.add(args[1], one), 32)
+        qh = _load(context, builder, ary_ty, ary, args[2], 32)
+        scales = builder.sext(_load(context, builder, ary_ty, ary, args[3], 8), ir.VectorType(ir.IntType(16), 8))
+        low4, three, four = _vec_const(8, [15] * 32), _vec_const(8, [3] * 32), _vec_const(8, [4] * 32)
+        total = None
+        lows = (builder.and_(ql0, low4), builder.and_(ql1, low4), builder.lshr(ql0, four), builder.lshr(ql1, four))
+        for k, low in enumerate(lows):
+            high = builder.and_(builder.lshr(qh, _vec_const(8, [2 * k] * 32)), three)
+            codes = builder.sub(builder.or_(low, builder.shl(high, four)), _vec_const(8, [32] * 32))
+            sc16 = builder.shuffle_vector(scales, scales, _vec_const(32, [2 * k] * 16 + [2 * k + 1] * 16))
+            xo = builder.add(args[5], ir.Constant(args[5].type, 32 * k))
+            part = _scaled_products(builder, codes, sc16, _load(context, builder, sig.args[4], args[4], xo, 32), True)
+            total = part if total is None else builder.add(total, part)
+        return _reduce_add(builder, total, 32)
+    return types.int32(src, ql, qh, sc, x, xo), codegen
+
+
+def _load_vec(context, builder, ary_ty, ary, off, elem, n):
+    """n elements of ary's type from element offset `off`, as a vector."""
+    data = context.make_array(ary_ty)(context, builder, ary).data
+    ptr = builder.bitcast(builder.gep(data, [off]), ir.VectorType(elem, n).as_pointer())
+    return builder.load(ptr, align=1)
+
+
+def _shuffle(builder, vec, lanes):
+    return builder.shuffle_vector(vec, vec, _vec_const(32, lanes))
+
+
+@intrinsic
+def idot_q4_k_block(typingctx, src, o, xq, y, xs16, g, d, dmin):
+    """One Q4_K block (144 bytes at src[o], its fp16 d and dmin given as floats) times 256 Q8_K codes xq[y:]
+    with their 16-sums at xs16[g:]: d * sum_j sc_j (q_j . x_j) - dmin * sum_j m_j sum(x_j), in vector lanes:
+    the eight 6-bit scales and mins unpacked from their 12 bytes with shuffles, the eight 32-code dots
+    scaled and added before one reduction, the mins against the pairwise-added 16-sums."""
+    if not (_byte_array(src) and _byte_array(xq) and isinstance(xs16, types.Array) and xs16.ndim == 1
+            and xs16.layout == "C" and xs16.dtype == types.int32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        src_ty, src_v, o_v, xq_ty, xq_v, y_v, xs_ty, xs_v, g_v, d, dmin = (
+            sig.args[0], args[0], args[1], sig.args[2], args[2], args[3], sig.args[4], args[4], args[5], args[6],
+            args[7])
+
+        def at(base, k):
+            return builder.add(base, ir.Constant(base.type, k))
+
+        v8 = ir.VectorType(_I8, 8)
+        sb = _load_vec(context, builder, src_ty, src_v, at(o_v, 4), _I8, 16)  # the 12 scale bytes (+4 of codes)
+        low_half = ir.Constant(ir.VectorType(ir.IntType(1), 8), [1, 1, 1, 1, 0, 0, 0, 0])
+
+        def lanes(idx):
+            return builder.shuffle_vector(sb, sb, _vec_const(32, idx))
+
+        def const8(v):
+            return ir.Constant(v8, [v] * 8)
+
+        a, b = lanes([0, 1, 2, 3, 8, 9, 10, 11]), lanes([0, 1, 2, 3, 0, 1, 2, 3])
+        c, e = lanes([4, 5, 6, 7, 8, 9, 10, 11]), lanes([4, 5, 6, 7, 4, 5, 6, 7])
+        hi2 = builder.shl(builder.lshr(b, const8(6)), const8(4))
+        sc = builder.select(low_half, builder.and_(a, const8(63)), builder.or_(builder.and_(a, const8(15)), hi2))
+        hi2m = builder.shl(builder.lshr(e, const8(6)), const8(4))
+        mn = builder.select(low_half, builder.and_(c, const8(63)), builder.or_(builder.lshr(c, const8(4)), hi2m))
+        sc16 = builder.zext(sc, ir.VectorType(ir.IntType(16), 8))
+
+        total = None
+        for gi in range(4):
+            q = _load(context, builder, src_ty, src_v, at(o_v, 16 + 32 * gi), 32)
+            for half, codes in enumerate((builder.and_(q, _vec_const(8, [15] * 32)),
+                                          builder.lshr(q, _vec_const(8, [4] * 32)))):
+                j = 2 * gi + half
+                scale = builder.shuffle_vector(sc16, sc16, _vec_const(32, [j] * 32))
+                x = _load(context, builder, xq_ty, xq_v, at(y_v, 32 * j), 32)
+                part = _scaled_products(builder, codes, scale, x)
+                total = part if total is None else builder.add(total, part)
+        isc = _reduce_add(builder, total, 32)
+
+        sums16 = _load_vec(context, builder, xs_ty, xs_v, g_v, _I32, 16)
+        sums32 = builder.add(_shuffle(builder, sums16, list(range(0, 16, 2))),
+                             _shuffle(builder, sums16, list(range(1, 16, 2))))
+        imin = _reduce_add(builder, builder.mul(builder.zext(mn, ir.VectorType(_I32, 8)), sums32), 8)
+
+        f32 = ir.FloatType()
+        return builder.fsub(builder.fmul(d, builder.sitofp(isc, f32)), builder.fmul(dmin, builder.sitofp(imin, f32)))
+    return types.float32(src, o, xq, y, xs16, g, types.float32, types.float32), codegen
+
+
+def _u64_table(ty) -> bool:
+    return isinstance(ty, types.Array) and ty.ndim == 1 and ty.layout == "C" and ty.dtype == types.uint64
+
+
+@intrinsic
+def idot_grid8x4(typingctx, grid, signs, q, qo, sc_lo, sc_hi, x, xo):
+    """32 i-quant weights (four groups of 8) times int8 x[xo:xo+32], groups 0-1 times sc_lo, 2-3 times sc_hi:
+    each group's uint16 at q[qo + 2 g] holds a grid point (low 9 bits) and a sign index (high 7 bits); the
+    point's 8 byte values come from grid (uint64 [points]), its signs from signs (uint64 [128], 0xFF bytes
+    where negative). The signed values (|v| * scale < 2^15) go through vpmaddwd with x; one reduction."""
+    if not (_u64_table(grid) and _u64_table(signs) and _byte_array(q) and _byte_array(x)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        grid_ty, grid_v, signs_ty, signs_v, q_ty, q_v, qo_v, lo_v, hi_v, x_ty, x_v, xo_v = (
+            sig.args[0], args[0], sig.args[1], args[1], sig.args[2], args[2], args[3], args[4], args[5],
+            sig.args[6], args[6], args[7])
+        i16, i64 = ir.IntType(16), ir.IntType(64)
+        codes = _load_vec(context, builder, q_ty, q_v, qo_v, i16, 4)
+        grid_data = context.make_array(grid_ty)(context, builder, grid_v).data
+        signs_data = context.make_array(signs_ty)(context, builder, signs_v).data
+        g4 = ir.Constant(ir.VectorType(i64, 4), ir.Undefined)
+        m4 = ir.Constant(ir.VectorType(i64, 4), ir.Undefined)
+        for lane in range(4):
+            code = builder.zext(builder.extract_element(codes, ir.Constant(_I32, lane)), i64)
+            point = builder.and_(code, ir.Constant(i64, 511))
+            sign = builder.lshr(code, ir.Constant(i64, 9))
+            g4 = builder.insert_element(g4, builder.load(builder.gep(grid_data, [point])), ir.Constant(_I32, lane))
+            m4 = builder.insert_element(m4, builder.load(builder.gep(signs_data, [sign])), ir.Constant(_I32, lane))
+        v8 = ir.VectorType(_I8, 32)
+        g8, m8 = builder.bitcast(g4, v8), builder.bitcast(m4, v8)
+        values = builder.sub(builder.xor(g8, m8), m8)  # negated where the mask byte is 0xFF
+        lo = _splat(builder, lo_v, 32, 16)
+        hi = _splat(builder, hi_v, 32, 16)
+        scales = builder.shuffle_vector(lo, hi, _vec_const(32, [0] * 16 + [32] * 16))
+        x8 = _load(context, builder, x_ty, x_v, xo_v, 32)
+        return _reduce_add(builder, _scaled_products(builder, values, scales, x8, True), 32)
+    return types.int32(grid, signs, q, qo, sc_lo, sc_hi, x, xo), codegen
 
 
 idot_s8_32 = _make_idot_s8(32)
 idot_bits_32 = _make_idot_bits(32)
 idot_bits_16 = _make_idot_bits(16)
-idot_q6_16 = _make_idot_q6(16)
 
 
 def _has_f16c() -> bool:

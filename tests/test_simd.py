@@ -24,11 +24,6 @@ def _bits(n, q, qo, shift, mask, x, xo):
 
 
 @numba.njit
-def _q6(ql, lo, lshift, qh, ho, hshift, x, xo):
-    return simd.idot_q6_16(ql, lo, lshift, qh, ho, hshift, x, xo)
-
-
-@numba.njit
 def _f16_all(src, out):
     for i in range(out.shape[0]):
         out[i] = ggml_blocks.f16(src, 2 * i)
@@ -58,17 +53,6 @@ def test_idot_bits(rng):
                 assert _bits(n, q, qo, shift, mask, x, xo) == want, (n, shift, mask, qo, xo)
 
 
-def test_idot_q6_16(rng):
-    ql, qh, x = _bytes(rng, 80), _bytes(rng, 80), _bytes(rng, 80).view(np.int8)
-    for lshift in (0, 4):
-        for hshift in (0, 2, 4, 6):
-            for lo, ho, xo in [(0, 0, 0), (7, 31, 50), (64, 3, 9)]:
-                codes = ((ql[lo:lo + 16].astype(np.int64) >> lshift) & 15) | (
-                    ((qh[ho:ho + 16].astype(np.int64) >> hshift) & 3) << 4)
-                want = int(np.dot(codes, x[xo:xo + 16].astype(np.int64)))
-                assert _q6(ql, lo, lshift, qh, ho, hshift, x, xo) == want
-
-
 def test_f16_every_half():
     """All 65536 halves (subnormals, infinities, NaNs) convert exactly, at unaligned offsets too."""
     halves = np.arange(65536, dtype=np.uint16).view(np.float16)
@@ -81,3 +65,51 @@ def test_f16_every_half():
     np.testing.assert_array_equal(out[finite], want[finite])
     assert np.isnan(out[~finite]).all()
     np.testing.assert_array_equal(np.signbit(out[finite]), np.signbit(want[finite]))
+
+
+@numba.njit
+def _q6_half(src, ql, qh, sc, x, xo):
+    return simd.idot_q6_half(src, ql, qh, sc, x, xo)
+
+
+def test_idot_q6_half(rng):
+    """Against the Q6_K layout written out: value (l, k) of the half takes its low nibble from
+    ql[l + 32 (k % 2)] (bits 4 k // 2 ...), its high bits from qh[l] >> 2 k, its scale from sc[2 k + l // 16],
+    and is (code - 32) times the scale."""
+    src, x = _bytes(rng, 300), _bytes(rng, 300).view(np.int8)
+    for ql, qh, sc, xo in [(0, 64, 96, 0), (5, 100, 290, 37), (150, 214, 246, 172)]:
+        want = 0
+        for k in range(4):
+            for l in range(32):
+                low = (int(src[ql + l + 32 * (k % 2)]) >> (4 * (k // 2))) & 15
+                code = low | (((int(src[qh + l]) >> (2 * k)) & 3) << 4)
+                scale = int(src[sc + 2 * k + l // 16].astype(np.int8))
+                want += scale * (code - 32) * int(x[xo + 32 * k + l])
+        assert _q6_half(src, ql, qh, sc, x, xo) == want
+
+
+@numba.njit
+def _grid8x4(grid, signs, q, qo, sc_lo, sc_hi, x, xo):
+    return simd.idot_grid8x4(grid, signs, q, qo, sc_lo, sc_hi, x, xo)
+
+
+def test_idot_grid8x4(rng):
+    """IQ2_XS's packed groups against gguf's grid and sign tables, decoded here in numpy."""
+    from gguf import quants
+    from strata_async.kernels import quant, quant_iq  # noqa: F401 - quant first: it loads the formats in order
+
+    quants.IQ2_XS.init_grid()
+    grid = quants.IQ2_XS.grid.reshape(512, 8).astype(np.int64)
+    ksigns = np.frombuffer(quants.IQ2_XXS.ksigns, np.uint8)
+    q = rng.integers(0, 65536, 40, dtype=np.uint16)
+    q[:4] = (0, 511, 65535, 512)
+    qb, x = q.view(np.uint8), _bytes(rng, 100).view(np.int8)
+    for qo, xo, sc_lo, sc_hi in [(0, 0, 1, 31), (8, 13, 17, 3), (62, 60, 31, 31)]:
+        want = 0
+        for g in range(4):
+            code = int(qb[qo + 2 * g]) | (int(qb[qo + 2 * g + 1]) << 8)
+            sign_bits = int(ksigns[code >> 9])
+            for j in range(8):
+                v = int(grid[code & 511, j]) * (-1 if (sign_bits >> j) & 1 else 1)
+                want += (sc_lo if g < 2 else sc_hi) * v * int(x[xo + 8 * g + j])
+        assert _grid8x4(quant_iq._IQ2XS_GRID64, quant_iq._KSIGNS64, qb, qo, sc_lo, sc_hi, x, xo) == want
