@@ -113,6 +113,21 @@ def _scaled_products(builder, codes, scales16, x, signed=False):
     return builder.mul(builder.sext(weighted, v32), builder.sext(x, v32))
 
 
+def _q6_half_codes(context, builder, ary_ty, ary, ql, qh, sc):
+    """The four 32-value runs of a Q6_K half as signed (code - 32) <32 x i8>, and its 8 scales as <8 x i16>."""
+    ql0 = _load(context, builder, ary_ty, ary, ql, 32)
+    ql1 = _load(context, builder, ary_ty, ary, builder.add(ql, ir.Constant(ql.type, 32)), 32)
+    qhv = _load(context, builder, ary_ty, ary, qh, 32)
+    scales = builder.sext(_load(context, builder, ary_ty, ary, sc, 8), ir.VectorType(ir.IntType(16), 8))
+    low4, three, four = _vec_const(8, [15] * 32), _vec_const(8, [3] * 32), _vec_const(8, [4] * 32)
+    lows = (builder.and_(ql0, low4), builder.and_(ql1, low4), builder.lshr(ql0, four), builder.lshr(ql1, four))
+    codes = []
+    for k, low in enumerate(lows):
+        high = builder.and_(builder.lshr(qhv, _vec_const(8, [2 * k] * 32)), three)
+        codes.append(builder.sub(builder.or_(low, builder.shl(high, four)), _vec_const(8, [32] * 32)))
+    return codes, scales
+
+
 @intrinsic
 def idot_q6_half(typingctx, src, ql, qh, sc, x, xo):
     """One half (128 weights) of a Q6_K block times int8 activations, each 16-run times its int8 scale:
@@ -122,21 +137,13 @@ def idot_q6_half(typingctx, src, ql, qh, sc, x, xo):
         return None
 
     def codegen(context, builder, sig, args):
-        ary_ty, ary = sig.args[0], args[0]
-        one = ir.Constant(args[1].type, 32)
-        ql0 = _load(context, builder, ary_ty, ary, args[1], 32)
-        ql1 = _load(context, builder, ary_ty, ary, builder.add(args[1], one), 32)
-        qh = _load(context, builder, ary_ty, ary, args[2], 32)
-        scales = builder.sext(_load(context, builder, ary_ty, ary, args[3], 8), ir.VectorType(ir.IntType(16), 8))
-        low4, three, four = _vec_const(8, [15] * 32), _vec_const(8, [3] * 32), _vec_const(8, [4] * 32)
+        codes, scales = _q6_half_codes(context, builder, sig.args[0], args[0], args[1], args[2], args[3])
         total = None
-        lows = (builder.and_(ql0, low4), builder.and_(ql1, low4), builder.lshr(ql0, four), builder.lshr(ql1, four))
-        for k, low in enumerate(lows):
-            high = builder.and_(builder.lshr(qh, _vec_const(8, [2 * k] * 32)), three)
-            codes = builder.sub(builder.or_(low, builder.shl(high, four)), _vec_const(8, [32] * 32))
+        for k in range(4):
             sc16 = builder.shuffle_vector(scales, scales, _vec_const(32, [2 * k] * 16 + [2 * k + 1] * 16))
             xo = builder.add(args[5], ir.Constant(args[5].type, 32 * k))
-            part = _scaled_products(builder, codes, sc16, _load(context, builder, sig.args[4], args[4], xo, 32), True)
+            x8 = _load(context, builder, sig.args[4], args[4], xo, 32)
+            part = _scaled_products(builder, codes[k], sc16, x8, True)
             total = part if total is None else builder.add(total, part)
         return _reduce_add(builder, total, 32)
     return types.int32(src, ql, qh, sc, x, xo), codegen
@@ -249,6 +256,82 @@ def idot_grid8x4(typingctx, grid, signs, q, qo, sc_lo, sc_hi, x, xo):
         x8 = _load(context, builder, x_ty, x_v, xo_v, 32)
         return _reduce_add(builder, _scaled_products(builder, values, scales, x8, True), 32)
     return types.int32(grid, signs, q, qo, sc_lo, sc_hi, x, xo), codegen
+
+
+def _float_array(ty) -> bool:
+    return isinstance(ty, types.Array) and ty.ndim == 1 and ty.layout == "C" and ty.dtype == types.float32
+
+
+def _reduce_fadd(builder, vec, n):
+    """Sum of a <n x float> in any order (a tree of vector adds)."""
+    f32 = ir.FloatType()
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, vec.type]),
+                                        f"llvm.vector.reduce.fadd.v{n}f32")
+    return builder.call(fn, [ir.Constant(f32, 0.0), vec], fastmath=("reassoc", "nsz"))
+
+
+@intrinsic
+def fdot_s8_32(typingctx, src, o, x, xo):
+    """sum over i < 32 of int8(src[o + i]) * x[xo + i], float32 x: the float-activation Q8_0 block dot."""
+    if not (_byte_array(src) and _float_array(x)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        vf = ir.VectorType(ir.FloatType(), 32)
+        w = builder.sitofp(_load(context, builder, sig.args[0], args[0], args[1], 32), vf)
+        xv = _load_vec(context, builder, sig.args[2], args[2], args[3], ir.FloatType(), 32)
+        return _reduce_fadd(builder, builder.fmul(w, xv, flags=("reassoc", "nsz", "contract")), 32)
+    return types.float32(src, o, x, xo), codegen
+
+
+@intrinsic
+def fdot_nibbles_32(typingctx, src, o, x, xo, s_lo, s_hi):
+    """s_lo * sum_i (src[o+i] & 15) x[xo+i] + s_hi * sum_i (src[o+i] >> 4) x[xo+32+i], i < 32, float32 x and
+    scales: two 4-bit sub-blocks sharing 32 bytes (Q4_K), one reduction."""
+    if not (_byte_array(src) and _float_array(x)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        f32 = ir.FloatType()
+        vf = ir.VectorType(f32, 32)
+        q = _load(context, builder, sig.args[0], args[0], args[1], 32)
+        lo = builder.uitofp(builder.and_(q, _vec_const(8, [15] * 32)), vf)
+        hi = builder.uitofp(builder.lshr(q, _vec_const(8, [4] * 32)), vf)
+        x_lo = _load_vec(context, builder, sig.args[2], args[2], args[3], f32, 32)
+        x_hi = _load_vec(context, builder, sig.args[2], args[2], builder.add(args[3], ir.Constant(args[3].type, 32)),
+                         f32, 32)
+        fl = ("reassoc", "nsz", "contract")
+
+        def splat(v):
+            first = builder.insert_element(ir.Constant(vf, ir.Undefined), v, ir.Constant(_I32, 0))
+            return builder.shuffle_vector(first, ir.Constant(vf, ir.Undefined), _vec_const(32, [0] * 32))
+        total = builder.fadd(builder.fmul(builder.fmul(lo, x_lo, flags=fl), splat(args[4]), flags=fl),
+                             builder.fmul(builder.fmul(hi, x_hi, flags=fl), splat(args[5]), flags=fl), flags=fl)
+        return _reduce_fadd(builder, total, 32)
+    return types.float32(src, o, x, xo, types.float32, types.float32), codegen
+
+
+@intrinsic
+def fdot_q6_half(typingctx, src, ql, qh, sc, x, xo):
+    """idot_q6_half with float32 activations: sum_k scale[k] sum_i (code_i - 32) x_i over the 128 values."""
+    if not (_byte_array(src) and _float_array(x)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        f32 = ir.FloatType()
+        vf = ir.VectorType(f32, 32)
+        fl = ("reassoc", "nsz", "contract")
+        codes, scales = _q6_half_codes(context, builder, sig.args[0], args[0], args[1], args[2], args[3])
+        total = None
+        for k in range(4):
+            runs = _vec_const(32, [2 * k] * 16 + [2 * k + 1] * 16)
+            sc = builder.sitofp(builder.shuffle_vector(scales, scales, runs), vf)
+            xo = builder.add(args[5], ir.Constant(args[5].type, 32 * k))
+            xv = _load_vec(context, builder, sig.args[4], args[4], xo, f32, 32)
+            part = builder.fmul(builder.fmul(builder.sitofp(codes[k], vf), sc, flags=fl), xv, flags=fl)
+            total = part if total is None else builder.fadd(total, part, flags=fl)
+        return _reduce_fadd(builder, total, 32)
+    return types.float32(src, ql, qh, sc, x, xo), codegen
 
 
 idot_s8_32 = _make_idot_s8(32)
