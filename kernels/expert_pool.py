@@ -89,7 +89,7 @@ def _swiglu_experts_int(tg, gate, tu, up, td, down, x, x_block, h_block, ids, we
     hq = np.empty((k, ffn), np.int8)
     hd = np.empty((k, ffn // h_block), np.float32)
     hs = np.empty((k, ffn // 16), np.int32)
-    for j in numba.prange(k):
+    for j in range(k):  # ~1 us per expert: a parallel region here would cost ~100 us of waking the workers
         quantize_q8(h[j], h_block, hq[j], hd[j])
         sums16(hq[j], hs[j])
     n_tasks = (hidden + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK

@@ -15,6 +15,7 @@ from .quant_k import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, dequant_q2_k, dequant_q3_k, d
 from .quant_legacy import Q2_0, Q4_0, Q4_1, Q5_0, Q5_1, dequant_q2_0, dequant_q4_0, dequant_q4_1, dequant_q5_0, dequant_q5_1
 from .quant_dot import block_sums32, dot_q4_k, dot_q6_k, dot_q8_0
 from .quant_int import idot_q4_k, idot_q6_k, idot_q8_0
+from .simd import fdot_f32_64
 from .quant_nl import IQ4_NL, IQ4_XS, MXFP4, dequant_iq4_nl, dequant_iq4_xs, dequant_mxfp4
 from .quant_q8 import Q8_0, dequant_q8_0
 
@@ -87,8 +88,10 @@ def dequant_rows(t, w, out):
 
 @numba.njit(nogil=True, inline="always", fastmath=_FASTMATH)
 def _dot(a, b):
-    acc = np.float32(0.0)
-    for i in range(a.shape[0]):
+    """Dot product of two float32 vectors: 64-value chunks in vector lanes, the tail in a loop."""
+    n64 = a.shape[0] // 64
+    acc = fdot_f32_64(a, b, n64)
+    for i in range(64 * n64, a.shape[0]):
         acc += a[i] * b[i]
     return acc
 

@@ -14,7 +14,7 @@ from gguf import quants as gguf_quants
 
 from .ggml_blocks import f16, half_to_float, u16, u32
 from .quant import register_type
-from .simd import idot_grid8x4
+from .simd import dequant_grid8x4, idot_grid8x4
 
 IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M = 16, 17, 18, 19, 21, 22, 29
 _QK = 256
@@ -92,10 +92,7 @@ def dequant_iq2_xs(src, dst):
             sc = src[o + 66 + ib]
             db0 = d * (np.float32(0.5) + np.float32(sc & 0xF)) * np.float32(0.25)
             db1 = d * (np.float32(0.5) + np.float32(sc >> 4)) * np.float32(0.25)
-            for l in range(4):
-                qv = u16(src, o + 2 + 2 * (4 * ib + l))
-                _put8(dst, b * _QK + 32 * ib + 8 * l, db0 if l < 2 else db1,
-                      _IQ2XS_GRID, qv & 511, _KSIGNS[qv >> 9])
+            dequant_grid8x4(_IQ2XS_GRID64, _KSIGNS64, src, o + 2 + 8 * ib, db0, db1, dst, b * _QK + 32 * ib)
 
 
 @numba.njit(nogil=True, cache=True)

@@ -11,6 +11,7 @@ import numpy as np
 
 from .ggml_blocks import f16
 from .quant import register_type
+from .simd import dequant_nibbles_32, dequant_q6_half
 
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
 _QK_K = 256  # weights per super-block
@@ -60,12 +61,6 @@ def _q3_scale(src, off, s):
 def _q2_scale_min(src, i, d, dmin):
     """Q2_K sub-block (scale, min) from byte i: low nibble times d, high nibble times dmin."""
     return d * np.float32(src[i] & 0xF), dmin * np.float32(src[i] >> 4)
-
-
-@numba.njit(inline="always", nogil=True)
-def _i8(v):
-    """A byte read as int8."""
-    return np.int32(v) - 256 if v > 127 else np.int32(v)
 
 
 # The decoders read each packed byte once and write every weight it holds: a separate pass over the
@@ -144,12 +139,7 @@ def dequant_q4_k(src, dst):
             sc, m = _scale_min_k4(src, o + 4, 2 * g + 1)
             d2 = d * np.float32(sc)
             m2 = dmin * np.float32(m)
-            qs = o + 16 + 32 * g
-            y = b * _QK_K + 64 * g
-            for l in range(32):
-                v = src[qs + l]
-                dst[y + l] = d1 * np.float32(v & 0xF) - m1
-                dst[y + 32 + l] = d2 * np.float32(v >> 4) - m2
+            dequant_nibbles_32(src, o + 16 + 32 * g, d1, m1, d2, m2, dst, b * _QK_K + 64 * g)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -186,23 +176,8 @@ def dequant_q6_k(src, dst):
         # byte l + 32, and bit pairs 0, 1, 2, 3 of qh byte l; values are offset by -32.  Each run
         # of 16 weights has its own int8 scale, number 8 * half + 2 * (l // 32) + l % 32 // 16.
         for half in range(2):
-            for part in range(2):
-                s = o + 192 + 8 * half + part
-                dl0 = d * np.float32(_i8(src[s]))
-                dl1 = d * np.float32(_i8(src[s + 2]))
-                dl2 = d * np.float32(_i8(src[s + 4]))
-                dl3 = d * np.float32(_i8(src[s + 6]))
-                ql = o + 64 * half + 16 * part
-                qh = o + 128 + 32 * half + 16 * part
-                y = b * _QK_K + 128 * half + 16 * part
-                for l in range(16):
-                    a = src[ql + l]
-                    c = src[ql + 32 + l]
-                    h = src[qh + l]
-                    dst[y + l] = dl0 * np.float32(np.int32((a & 0xF) | ((h & 3) << 4)) - 32)
-                    dst[y + 32 + l] = dl1 * np.float32(np.int32((c & 0xF) | ((h & 12) << 2)) - 32)
-                    dst[y + 64 + l] = dl2 * np.float32(np.int32((a >> 4) | (h & 48)) - 32)
-                    dst[y + 96 + l] = dl3 * np.float32(np.int32((c >> 4) | ((h & 192) >> 2)) - 32)
+            dequant_q6_half(src, o + 64 * half, o + 128 + 32 * half, o + 192 + 8 * half, d, dst,
+                            b * _QK_K + 128 * half)
 
 
 register_type(Q2_K, "Q2_K", _QK_K, _Q2_BYTES, act_block=_ACT_BLOCK)

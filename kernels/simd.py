@@ -77,22 +77,6 @@ def _make_idot_s8(n):
     return idot_s8
 
 
-def _make_idot_bits(n):
-    @intrinsic
-    def idot_bits(typingctx, q, qo, shift, mask, x, xo):
-        """sum over i < n of ((q[qo + i] >> shift) & mask) * x[xo + i]: packed 4- or 2-bit codes."""
-        if not (_byte_array(q) and _byte_array(x)):
-            return None
-
-        def codegen(context, builder, sig, args):
-            vq = _load(context, builder, sig.args[0], args[0], args[1], n)
-            codes = builder.and_(builder.lshr(vq, _splat(builder, args[2], n)), _splat(builder, args[3], n))
-            vx = _load(context, builder, sig.args[4], args[4], args[5], n)
-            return _reduce_dot(builder, codes, False, vx, n)
-        return types.int32(q, qo, shift, mask, x, xo), codegen
-    return idot_bits
-
-
 def _vec_const(width, values):
     return ir.Constant(ir.VectorType(ir.IntType(width), len(values)), list(values))
 
@@ -222,6 +206,25 @@ def _u64_table(ty) -> bool:
     return isinstance(ty, types.Array) and ty.ndim == 1 and ty.layout == "C" and ty.dtype == types.uint64
 
 
+def _grid_values(context, builder, grid_ty, grid, signs_ty, signs, q_ty, q, qo):
+    """The 32 signed values <32 x i8> of four i-quant groups whose uint16 codes start at byte qo of q."""
+    i16, i64 = ir.IntType(16), ir.IntType(64)
+    codes = _load_vec(context, builder, q_ty, q, qo, i16, 4)
+    grid_data = context.make_array(grid_ty)(context, builder, grid).data
+    signs_data = context.make_array(signs_ty)(context, builder, signs).data
+    g4 = ir.Constant(ir.VectorType(i64, 4), ir.Undefined)
+    m4 = ir.Constant(ir.VectorType(i64, 4), ir.Undefined)
+    for lane in range(4):
+        code = builder.zext(builder.extract_element(codes, ir.Constant(_I32, lane)), i64)
+        point = builder.and_(code, ir.Constant(i64, 511))
+        sign = builder.lshr(code, ir.Constant(i64, 9))
+        g4 = builder.insert_element(g4, builder.load(builder.gep(grid_data, [point])), ir.Constant(_I32, lane))
+        m4 = builder.insert_element(m4, builder.load(builder.gep(signs_data, [sign])), ir.Constant(_I32, lane))
+    v8 = ir.VectorType(_I8, 32)
+    g8, m8 = builder.bitcast(g4, v8), builder.bitcast(m4, v8)
+    return builder.sub(builder.xor(g8, m8), m8)  # negated where the mask byte is 0xFF
+
+
 @intrinsic
 def idot_grid8x4(typingctx, grid, signs, q, qo, sc_lo, sc_hi, x, xo):
     """32 i-quant weights (four groups of 8) times int8 x[xo:xo+32], groups 0-1 times sc_lo, 2-3 times sc_hi:
@@ -235,21 +238,7 @@ def idot_grid8x4(typingctx, grid, signs, q, qo, sc_lo, sc_hi, x, xo):
         grid_ty, grid_v, signs_ty, signs_v, q_ty, q_v, qo_v, lo_v, hi_v, x_ty, x_v, xo_v = (
             sig.args[0], args[0], sig.args[1], args[1], sig.args[2], args[2], args[3], args[4], args[5],
             sig.args[6], args[6], args[7])
-        i16, i64 = ir.IntType(16), ir.IntType(64)
-        codes = _load_vec(context, builder, q_ty, q_v, qo_v, i16, 4)
-        grid_data = context.make_array(grid_ty)(context, builder, grid_v).data
-        signs_data = context.make_array(signs_ty)(context, builder, signs_v).data
-        g4 = ir.Constant(ir.VectorType(i64, 4), ir.Undefined)
-        m4 = ir.Constant(ir.VectorType(i64, 4), ir.Undefined)
-        for lane in range(4):
-            code = builder.zext(builder.extract_element(codes, ir.Constant(_I32, lane)), i64)
-            point = builder.and_(code, ir.Constant(i64, 511))
-            sign = builder.lshr(code, ir.Constant(i64, 9))
-            g4 = builder.insert_element(g4, builder.load(builder.gep(grid_data, [point])), ir.Constant(_I32, lane))
-            m4 = builder.insert_element(m4, builder.load(builder.gep(signs_data, [sign])), ir.Constant(_I32, lane))
-        v8 = ir.VectorType(_I8, 32)
-        g8, m8 = builder.bitcast(g4, v8), builder.bitcast(m4, v8)
-        values = builder.sub(builder.xor(g8, m8), m8)  # negated where the mask byte is 0xFF
+        values = _grid_values(context, builder, grid_ty, grid_v, signs_ty, signs_v, q_ty, q_v, qo_v)
         lo = _splat(builder, lo_v, 32, 16)
         hi = _splat(builder, hi_v, 32, 16)
         scales = builder.shuffle_vector(lo, hi, _vec_const(32, [0] * 16 + [32] * 16))
@@ -334,9 +323,120 @@ def fdot_q6_half(typingctx, src, ql, qh, sc, x, xo):
     return types.float32(src, ql, qh, sc, x, xo), codegen
 
 
+# Decoders into float32 rows (prefill tiles, scratch rows). Same operations in the same order as ggml's
+# dequantize_row_* (a product, or a product minus a product, never fused), so results stay bit-exact.
+
+def _store(context, builder, ary_ty, ary, off, vec):
+    data = context.make_array(ary_ty)(context, builder, ary).data
+    builder.store(vec, builder.bitcast(builder.gep(data, [off]), vec.type.as_pointer()), align=4)
+
+
+def _splat_f(builder, v, n=32):
+    vf = ir.VectorType(ir.FloatType(), n)
+    first = builder.insert_element(ir.Constant(vf, ir.Undefined), v, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(first, ir.Constant(vf, ir.Undefined), _vec_const(32, [0] * n))
+
+
+def _at(builder, base, k):
+    return builder.add(base, ir.Constant(base.type, k))
+
+
+@intrinsic
+def dequant_s8_32(typingctx, src, o, d, dst, y):
+    """dst[y:y+32] = d * int8(src[o:o+32]) (Q8_0)."""
+    if not (_byte_array(src) and _float_array(dst)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        vf = ir.VectorType(ir.FloatType(), 32)
+        q = builder.sitofp(_load(context, builder, sig.args[0], args[0], args[1], 32), vf)
+        _store(context, builder, sig.args[3], args[3], args[4], builder.fmul(_splat_f(builder, args[2]), q))
+        return context.get_dummy_value()
+    return types.none(src, o, types.float32, dst, y), codegen
+
+
+@intrinsic
+def dequant_nibbles_32(typingctx, src, o, d1, m1, d2, m2, dst, y):
+    """dst[y:y+32] = d1 * (src[o:o+32] & 15) - m1, dst[y+32:y+64] = d2 * (src[o:o+32] >> 4) - m2 (Q4_K)."""
+    if not (_byte_array(src) and _float_array(dst)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        vf = ir.VectorType(ir.FloatType(), 32)
+        q = _load(context, builder, sig.args[0], args[0], args[1], 32)
+        lo = builder.uitofp(builder.and_(q, _vec_const(8, [15] * 32)), vf)
+        hi = builder.uitofp(builder.lshr(q, _vec_const(8, [4] * 32)), vf)
+        for part, (vals, dv, mv) in enumerate(((lo, args[2], args[3]), (hi, args[4], args[5]))):
+            row = builder.fsub(builder.fmul(_splat_f(builder, dv), vals), _splat_f(builder, mv))
+            _store(context, builder, sig.args[6], args[6], _at(builder, args[7], 32 * part), row)
+        return context.get_dummy_value()
+    return types.none(src, o, types.float32, types.float32, types.float32, types.float32, dst, y), codegen
+
+
+@intrinsic
+def dequant_q6_half(typingctx, src, ql, qh, sc, d, dst, y):
+    """One Q6_K half into dst[y:y+128]: (d * scale) * (code - 32) per 16-run."""
+    if not (_byte_array(src) and _float_array(dst)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        vf = ir.VectorType(ir.FloatType(), 32)
+        codes, scales = _q6_half_codes(context, builder, sig.args[0], args[0], args[1], args[2], args[3])
+        dsplat = _splat_f(builder, args[4])
+        for k in range(4):
+            runs = _vec_const(32, [2 * k] * 16 + [2 * k + 1] * 16)
+            dl = builder.fmul(dsplat, builder.sitofp(builder.shuffle_vector(scales, scales, runs), vf))
+            row = builder.fmul(dl, builder.sitofp(codes[k], vf))
+            _store(context, builder, sig.args[5], args[5], _at(builder, args[6], 32 * k), row)
+        return context.get_dummy_value()
+    return types.none(src, ql, qh, sc, types.float32, dst, y), codegen
+
+
+@intrinsic
+def dequant_grid8x4(typingctx, grid, signs, q, qo, s_lo, s_hi, dst, y):
+    """Four i-quant groups (see idot_grid8x4) into dst[y:y+32]: s_lo * value for groups 0-1, s_hi for 2-3."""
+    if not (_u64_table(grid) and _u64_table(signs) and _byte_array(q) and _float_array(dst)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        vf = ir.VectorType(ir.FloatType(), 32)
+        values = _grid_values(context, builder, sig.args[0], args[0], sig.args[1], args[1], sig.args[2], args[2],
+                              args[3])
+        lo, hi = _splat_f(builder, args[4]), _splat_f(builder, args[5])
+        scales = builder.shuffle_vector(lo, hi, _vec_const(32, [0] * 16 + [32] * 16))
+        _store(context, builder, sig.args[6], args[6], args[7], builder.fmul(scales, builder.sitofp(values, vf)))
+        return context.get_dummy_value()
+    return types.none(grid, signs, q, qo, types.float32, types.float32, dst, y), codegen
+
+
+@intrinsic
+def fdot_f32_64(typingctx, a, b, n64):
+    """sum over i < 64 n64 of a[i] * b[i] (float32 arrays): four 16-lane accumulators, so the sum is bound by
+    the loads rather than by the latency of one chain of adds; one reduction at the end."""
+    if not (_float_array(a) and _float_array(b)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        f32 = ir.FloatType()
+        v16 = ir.VectorType(f32, 16)
+        fl = ("reassoc", "nsz", "contract")
+        pa = context.make_array(sig.args[0])(context, builder, args[0]).data
+        pb = context.make_array(sig.args[1])(context, builder, args[1]).data
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(v16, [0.0] * 16)) for _ in range(4)]
+        with cgutils.for_range(builder, args[2]) as loop:
+            base = builder.mul(loop.index, ir.Constant(loop.index.type, 64))
+            for j in range(4):
+                off = builder.add(base, ir.Constant(base.type, 16 * j))
+                va = builder.load(builder.bitcast(builder.gep(pa, [off]), v16.as_pointer()), align=4)
+                vb = builder.load(builder.bitcast(builder.gep(pb, [off]), v16.as_pointer()), align=4)
+                builder.store(builder.fadd(builder.load(accs[j]), builder.fmul(va, vb, flags=fl), flags=fl), accs[j])
+        total = builder.fadd(builder.fadd(builder.load(accs[0]), builder.load(accs[1]), flags=fl),
+                             builder.fadd(builder.load(accs[2]), builder.load(accs[3]), flags=fl), flags=fl)
+        return _reduce_fadd(builder, total, 16)
+    return types.float32(a, b, n64), codegen
+
+
 idot_s8_32 = _make_idot_s8(32)
-idot_bits_32 = _make_idot_bits(32)
-idot_bits_16 = _make_idot_bits(16)
 
 
 def _has_f16c() -> bool:

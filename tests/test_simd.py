@@ -17,13 +17,6 @@ def _s8_32(a, ao, x, xo):
 
 
 @numba.njit
-def _bits(n, q, qo, shift, mask, x, xo):
-    if n == 16:
-        return simd.idot_bits_16(q, qo, shift, mask, x, xo)
-    return simd.idot_bits_32(q, qo, shift, mask, x, xo)
-
-
-@numba.njit
 def _f16_all(src, out):
     for i in range(out.shape[0]):
         out[i] = ggml_blocks.f16(src, 2 * i)
@@ -41,16 +34,6 @@ def test_idot_s8_32(rng):
         want = int(np.dot(a[ao:ao + 32].view(np.int8).astype(np.int64), x[xo:xo + 32].astype(np.int64)))
         assert _s8_32(a, ao, x, xo) == want
     assert _s8_32(np.full(32, 128, np.uint8), 0, np.full(32, -128, np.int8), 0) == 32 * 128 * 128  # no int16 wrap
-
-
-def test_idot_bits(rng):
-    q, x = _bytes(rng, 100), _bytes(rng, 100).view(np.int8)
-    for n in (16, 32):
-        for shift, mask in [(0, 15), (4, 15), (0, 3), (2, 3), (4, 3), (6, 3), (0, 255)]:
-            for qo, xo in [(0, 0), (5, 33), (64, 1)]:
-                codes = (q[qo:qo + n].astype(np.int64) >> shift) & mask
-                want = int(np.dot(codes, x[xo:xo + n].astype(np.int64)))
-                assert _bits(n, q, qo, shift, mask, x, xo) == want, (n, shift, mask, qo, xo)
 
 
 def test_f16_every_half():
