@@ -22,8 +22,9 @@ import numpy as np
 # the float32 tile (rows x k) stays in cache-sized territory.
 _MATMUL_TILE_ROWS = 128
 # Up to this many tokens, matmul decodes each row once and dots it with every token (quant_dispatch.matmul_rows)
-# instead of decoding tiles for BLAS: measured 2-4x faster for 1-10 tokens, even at 16, slower from 32.
-_FUSED_MATMUL_MAX_TOKENS = 16
+# instead of decoding tiles for BLAS: measured 2-4x faster for 1-10 tokens, even at 16, slower from 32. The
+# grouped expert call of prefill (runtime/moe.py) takes the experts with up to this many tokens.
+FEW_TOKENS_MAX = 16
 # Matrices up to this size are multiplied by a vector on the calling thread: waking the sleeping workers
 # (~0.1-0.3 ms here) costs more than the product (e.g. a DeltaNet layer's beta/alpha rows, a shared-expert gate).
 _SERIAL_MATVEC_BYTES = 256 << 10
@@ -164,7 +165,7 @@ def matmul(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool = False
         x = quantize_activations(x, ggml_type)
     n_rows = w.shape[0]
     out = np.empty((n, n_rows), np.float32)
-    if n <= _FUSED_MATMUL_MAX_TOKENS:
+    if n <= FEW_TOKENS_MAX:
         quant_dispatch.matmul_rows(fmt.ggml_type, w, x, out)
         return out
     tile = np.empty((min(_MATMUL_TILE_ROWS, n_rows), k), np.float32)

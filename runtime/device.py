@@ -28,6 +28,13 @@ class Device(Protocol):
         """out [hidden] += sum_j weights[j] * SwiGLU expert ids[j] of one token x [hidden], all experts in one
         call. gate/up/down: 3-D expert tensors. Returns False (out untouched) where the device has no such path."""
 
+    def swiglu_experts_grouped(self, x: np.ndarray, gate: QTensor, up: QTensor, down: QTensor,
+                               pair_tokens: np.ndarray, group_experts: np.ndarray,
+                               group_starts: np.ndarray) -> np.ndarray | None:
+        """Prefill: many experts each over a few tokens of x [n, hidden] in one call. Pairs sorted by expert:
+        group g is expert group_experts[g] over pairs group_starts[g]:group_starts[g + 1], pair p token
+        pair_tokens[p]. Returns [pairs, hidden] (unweighted expert outputs), or None where there is no such path."""
+
 
 def physical_cores() -> int:
     """CPU cores this process may run on, SMT siblings counted once.
@@ -79,3 +86,10 @@ class HostDevice:
         expert_pool.swiglu_experts(gate.data, gate.ggml_type, up.data, up.ggml_type, down.data, down.ggml_type,
                                    x, ids, weights, out, self.quantized_activations)
         return True
+
+    def swiglu_experts_grouped(self, x: np.ndarray, gate: QTensor, up: QTensor, down: QTensor,
+                               pair_tokens: np.ndarray, group_experts: np.ndarray,
+                               group_starts: np.ndarray) -> np.ndarray | None:
+        return expert_pool.swiglu_experts_grouped(gate.data, gate.ggml_type, up.data, up.ggml_type, down.data,
+                                                  down.ggml_type, x, pair_tokens, group_experts, group_starts,
+                                                  self.quantized_activations)

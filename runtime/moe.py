@@ -2,8 +2,9 @@
 
 ``route_softmax_topk`` turns router logits into each token's experts and weights. ``moe_ffn`` takes a
 layer's expert weights, the hidden states and those choices, groups the tokens by expert, runs each
-selected expert's SwiGLU on its own 2-D slices through the device, and sums the weighted results (plus
-the shared expert, if the layer has one). A single token (decode) goes to the device's expert pool
+selected expert's SwiGLU through the device (the experts with a few tokens all in one grouped call, each
+busier expert on its own 2-D slices), and sums the weighted results (plus the shared expert, if the layer
+has one). A single token (decode) goes to the device's expert pool
 instead: all its experts in one call, the shared expert in a second, with no per-expert Python. Deciding
 where each expert runs is this module's business alone: architecture files only call ``moe_ffn``.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from strata_async.kernels.quant import FEW_TOKENS_MAX
 
 from .device import Device
 from .layers import sigmoid, swiglu
@@ -78,14 +80,29 @@ def moe_ffn(dev: Device, x: np.ndarray, experts: RoutedExperts, ids: np.ndarray,
         return out
     # Sort the (token, slot) pairs by expert: each expert then sees one contiguous group of tokens.
     flat = ids.reshape(-1)
+    flat_weights = weights.reshape(-1)
     order = np.argsort(flat, kind="stable")
     expert_of, starts = np.unique(flat[order], return_index=True)
     ends = np.append(starts[1:], len(order))
-    for e, start, end in zip(expert_of.tolist(), starts.tolist(), ends.tolist()):
+    # Experts with a few tokens (most of them, in a prompt chunk of a many-expert model) go to the device in one
+    # grouped call; an expert with many tokens is a matrix product of its own (BLAS tiles).
+    few = (ends - starts) <= FEW_TOKENS_MAX
+    if few.any():
+        pairs = np.concatenate([order[a:b] for a, b in zip(starts[few].tolist(), ends[few].tolist())])
+        group_starts = np.concatenate([[0], np.cumsum(ends[few] - starts[few])])
+        y = dev.swiglu_experts_grouped(x, experts.gate, experts.up, experts.down, pairs // k, expert_of[few],
+                                       group_starts)
+        if y is None:
+            few[:] = False
+        else:
+            per_pair = np.zeros((n * k, x.shape[1]), np.float32)
+            per_pair[pairs] = y * flat_weights[pairs][:, None]
+            out += per_pair.reshape(n, k, -1).sum(axis=1)
+    for e, start, end in zip(expert_of[~few].tolist(), starts[~few].tolist(), ends[~few].tolist()):
         pairs = order[start:end]
         tokens = pairs // k  # distinct: a token picks an expert at most once
         y = swiglu(dev, x[tokens], experts.gate.expert(e), experts.up.expert(e), experts.down.expert(e))
-        out[tokens] += y * weights.reshape(-1)[pairs][:, None]
+        out[tokens] += y * flat_weights[pairs][:, None]
     if shared is not None:
         y = swiglu(dev, x, shared.gate, shared.up, shared.down)
         if shared.gate_inp is not None:

@@ -123,3 +123,34 @@ def test_integer_expert_pool_matches_ggml_rounding(rng, types):
     assert np.abs(got - base).max() > 0
     float_pool = swiglu_experts(gate, int(tg), up, int(tu), down, int(td), x, ids, weights, base.copy())
     assert np.abs(got - float_pool).max() > 0  # the rounding happened
+
+
+@pytest.mark.parametrize("types", [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0, Q.Q8_0), (Q.IQ2_XS, Q.IQ2_XS, Q.Q2_K)])
+def test_grouped_experts_match_float64(rng, types):
+    """Prefill's grouped call: pairs sorted by expert, groups of 1 to 7 tokens, every pair's unweighted output."""
+    from strata_async.kernels.expert_pool import swiglu_experts_grouped
+
+    tg, tu, td = types
+    n_experts, ffn, hidden, n_tokens = 6, 256, 512, 9
+    gate = np.stack([random_rows(rng, tg, ffn, hidden) for _ in range(n_experts)])
+    up = np.stack([random_rows(rng, tu, ffn, hidden) for _ in range(n_experts)])
+    down = np.stack([random_rows(rng, td, hidden, ffn) for _ in range(n_experts)])
+    g64, u64, d64 = (np.stack([dequant64(m, t) for m in mats]) for mats, t in ((gate, tg), (up, tu), (down, td)))
+    x = rng.standard_normal((n_tokens, hidden))
+    x /= max(max(np.abs(m).sum(axis=1).max() for m in g64), max(np.abs(m).sum(axis=1).max() for m in u64)) / 3
+    x = x.astype(np.float32)
+    group_experts = np.array([4, 0, 5, 2])  # expert 1 and 3 unused
+    sizes = [3, 1, 7, 2]
+    pair_tokens = np.concatenate([rng.choice(n_tokens, s, replace=False) for s in sizes])
+    group_starts = np.concatenate([[0], np.cumsum(sizes)])
+    y = swiglu_experts_grouped(gate, int(tg), up, int(tu), down, int(td), x, pair_tokens, group_experts, group_starts)
+    assert y.shape == (len(pair_tokens), hidden)
+    for g, e in enumerate(group_experts):
+        for p in range(group_starts[g], group_starts[g + 1]):
+            x64 = x[pair_tokens[p]].astype(np.float64)
+            expected = swiglu_ref(x64, g64, u64, d64, [e], [1.0])
+            hid = np.abs(g64[e]) @ np.abs(x64) * (np.abs(u64[e]) @ np.abs(x64)) + 1.0
+            assert np.all(np.abs(y[p] - expected) <= TOL * (np.abs(d64[e]) @ hid)), (g, p)
+    with pytest.raises(ValueError, match="groups"):
+        swiglu_experts_grouped(gate, int(tg), up, int(tu), down, int(td), x, pair_tokens, group_experts,
+                               group_starts[:-1])
