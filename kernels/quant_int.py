@@ -15,7 +15,7 @@ import numba
 import numpy as np
 
 from .ggml_blocks import f16, round_to_half
-from .simd import idot_q4_k_block, idot_q6_half, idot_s8_32
+from .simd import idot_q2_k_block, idot_q4_k_block, idot_q6_half, idot_s8_32
 
 _FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 
@@ -98,4 +98,15 @@ def idot_q6_k(src, xq, xd, xs16):
             sc = o + 192 + 8 * half
             isum += idot_q6_half(src, o + 64 * half, o + 128 + 32 * half, sc, xq, y)
         acc += f16(src, o + 208) * xd[b] * np.float32(isum)
+    return acc
+
+
+@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def idot_q2_k(src, xq, xd, xs16):
+    """One Q2_K row times Q8_K activations (ggml's vec_dot_q2_K_q8_K): per 16-run the 4-bit scale times the
+    codes' dot minus the 4-bit min times the run's activation sum, per 256 d and dmin times xd."""
+    acc = np.float32(0.0)
+    for b in range(xq.shape[0] // 256):
+        o = b * 84
+        acc += xd[b] * idot_q2_k_block(src, o, xq, 256 * b, xs16, 16 * b, f16(src, o + 80), f16(src, o + 82))
     return acc

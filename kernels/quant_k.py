@@ -11,7 +11,7 @@ import numpy as np
 
 from .ggml_blocks import f16
 from .quant import register_type
-from .simd import dequant_nibbles_32, dequant_q6_half
+from .simd import dequant_nibbles_32, dequant_q2_32, dequant_q6_half
 
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
 _QK_K = 256  # weights per super-block
@@ -76,20 +76,10 @@ def dequant_q2_k(src, dst):
         # Two halves of 128 weights, each from 32 qs bytes: bits 2j..2j+1 of byte l give weight
         # 32 * j + l; each run of 16 weights has its own (scale, min) byte, number 8 * half + 2 * j + l // 16.
         for half in range(2):
-            for part in range(2):
-                s = o + 8 * half + part
-                dl0, ml0 = _q2_scale_min(src, s, d, dmin)
-                dl1, ml1 = _q2_scale_min(src, s + 2, d, dmin)
-                dl2, ml2 = _q2_scale_min(src, s + 4, d, dmin)
-                dl3, ml3 = _q2_scale_min(src, s + 6, d, dmin)
-                qs = o + 16 + 32 * half + 16 * part
-                y = b * _QK_K + 128 * half + 16 * part
-                for l in range(16):
-                    v = src[qs + l]
-                    dst[y + l] = dl0 * np.float32(v & 3) - ml0
-                    dst[y + 32 + l] = dl1 * np.float32((v >> 2) & 3) - ml1
-                    dst[y + 64 + l] = dl2 * np.float32((v >> 4) & 3) - ml2
-                    dst[y + 96 + l] = dl3 * np.float32(v >> 6) - ml3
+            for j in range(4):
+                dl0, ml0 = _q2_scale_min(src, o + 8 * half + 2 * j, d, dmin)
+                dl1, ml1 = _q2_scale_min(src, o + 8 * half + 2 * j + 1, d, dmin)
+                dequant_q2_32(src, o + 16 + 32 * half, 2 * j, dl0, ml0, dl1, ml1, dst, b * _QK_K + 128 * half + 32 * j)
 
 
 @numba.njit(inline="always", nogil=True)

@@ -436,6 +436,59 @@ def fdot_f32_64(typingctx, a, b, n64):
     return types.float32(a, b, n64), codegen
 
 
+@intrinsic
+def idot_q2_k_block(typingctx, src, o, xq, y, xs16, g, d, dmin):
+    """One Q2_K block (84 bytes at src[o], its fp16 d and dmin given as floats) times 256 Q8_K codes xq[y:]
+    with their 16-sums at xs16[g:]: d * sum_i (sc_i & 15) (q_i . x_i) - dmin * sum_i (sc_i >> 4) sum(x_i) over
+    the 16 runs of 16; 2-bit codes at shifts 0, 2, 4, 6 of 32-byte groups, one reduction for the scaled dots."""
+    if not (_byte_array(src) and _byte_array(xq) and isinstance(xs16, types.Array) and xs16.ndim == 1
+            and xs16.layout == "C" and xs16.dtype == types.int32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        src_ty, src_v, o_v, xq_ty, xq_v, y_v, xs_ty, xs_v, g_v, d, dmin = (
+            sig.args[0], args[0], args[1], sig.args[2], args[2], args[3], sig.args[4], args[4], args[5], args[6],
+            args[7])
+        sb = _load(context, builder, src_ty, src_v, o_v, 16)
+        sc16 = builder.zext(builder.and_(sb, _vec_const(8, [15] * 16)), ir.VectorType(ir.IntType(16), 16))
+        mins = builder.zext(builder.lshr(sb, _vec_const(8, [4] * 16)), ir.VectorType(_I32, 16))
+        total = None
+        for half in range(2):
+            q = _load(context, builder, src_ty, src_v, _at(builder, o_v, 16 + 32 * half), 32)
+            for j in range(4):
+                codes = builder.and_(builder.lshr(q, _vec_const(8, [2 * j] * 32)), _vec_const(8, [3] * 32))
+                run = 8 * half + 2 * j
+                scale = builder.shuffle_vector(sc16, sc16, _vec_const(32, [run] * 16 + [run + 1] * 16))
+                x = _load(context, builder, xq_ty, xq_v, _at(builder, y_v, 128 * half + 32 * j), 32)
+                part = _scaled_products(builder, codes, scale, x)
+                total = part if total is None else builder.add(total, part)
+        isc = _reduce_add(builder, total, 32)
+        sums16 = _load_vec(context, builder, xs_ty, xs_v, g_v, _I32, 16)
+        imin = _reduce_add(builder, builder.mul(mins, sums16), 16)
+        f32 = ir.FloatType()
+        return builder.fsub(builder.fmul(d, builder.sitofp(isc, f32)), builder.fmul(dmin, builder.sitofp(imin, f32)))
+    return types.float32(src, o, xq, y, xs16, g, types.float32, types.float32), codegen
+
+
+@intrinsic
+def dequant_q2_32(typingctx, src, qs, shift, dl0, ml0, dl1, ml1, dst, y):
+    """dst[y:y+32] = dl * ((src[qs:qs+32] >> shift) & 3) - ml, with (dl0, ml0) for the first 16 values and
+    (dl1, ml1) for the next 16 (Q2_K)."""
+    if not (_byte_array(src) and _float_array(dst)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        vf = ir.VectorType(ir.FloatType(), 32)
+        q = _load(context, builder, sig.args[0], args[0], args[1], 32)
+        codes = builder.uitofp(builder.and_(builder.lshr(q, _splat(builder, args[2], 32)), _vec_const(8, [3] * 32)), vf)
+        halves = _vec_const(32, [0] * 16 + [32] * 16)
+        dl = builder.shuffle_vector(_splat_f(builder, args[3]), _splat_f(builder, args[5]), halves)
+        ml = builder.shuffle_vector(_splat_f(builder, args[4]), _splat_f(builder, args[6]), halves)
+        _store(context, builder, sig.args[7], args[7], args[8], builder.fsub(builder.fmul(dl, codes), ml))
+        return context.get_dummy_value()
+    return types.none(src, qs, shift, types.float32, types.float32, types.float32, types.float32, dst, y), codegen
+
+
 idot_s8_32 = _make_idot_s8(32)
 
 
