@@ -144,20 +144,33 @@ def _shuffle(builder, vec, lanes):
     return builder.shuffle_vector(vec, vec, _vec_const(32, lanes))
 
 
+def _int32_array(ty) -> bool:
+    return isinstance(ty, types.Array) and ty.ndim == 1 and ty.layout == "C" and ty.dtype == types.int32
+
+
+def _kblock_args(sig, args):
+    """(src type, src, o, xq type, xq, y, xs16 type, xs16, g, d, dmin) of a k-quant block dot."""
+    return (sig.args[0], args[0], args[1], sig.args[2], args[2], args[3], sig.args[4], args[4], args[5], args[6],
+            args[7])
+
+
+def _scales_minus_mins(builder, d, isc, dmin, imin):
+    """d * isc - dmin * imin in float32 (integer sums isc, imin)."""
+    f32 = ir.FloatType()
+    return builder.fsub(builder.fmul(d, builder.sitofp(isc, f32)), builder.fmul(dmin, builder.sitofp(imin, f32)))
+
+
 @intrinsic
 def idot_q4_k_block(typingctx, src, o, xq, y, xs16, g, d, dmin):
     """One Q4_K block (144 bytes at src[o], its fp16 d and dmin given as floats) times 256 Q8_K codes xq[y:]
     with their 16-sums at xs16[g:]: d * sum_j sc_j (q_j . x_j) - dmin * sum_j m_j sum(x_j), in vector lanes:
     the eight 6-bit scales and mins unpacked from their 12 bytes with shuffles, the eight 32-code dots
     scaled and added before one reduction, the mins against the pairwise-added 16-sums."""
-    if not (_byte_array(src) and _byte_array(xq) and isinstance(xs16, types.Array) and xs16.ndim == 1
-            and xs16.layout == "C" and xs16.dtype == types.int32):
+    if not (_byte_array(src) and _byte_array(xq) and _int32_array(xs16)):
         return None
 
     def codegen(context, builder, sig, args):
-        src_ty, src_v, o_v, xq_ty, xq_v, y_v, xs_ty, xs_v, g_v, d, dmin = (
-            sig.args[0], args[0], args[1], sig.args[2], args[2], args[3], sig.args[4], args[4], args[5], args[6],
-            args[7])
+        src_ty, src_v, o_v, xq_ty, xq_v, y_v, xs_ty, xs_v, g_v, d, dmin = _kblock_args(sig, args)
 
         def at(base, k):
             return builder.add(base, ir.Constant(base.type, k))
@@ -197,8 +210,7 @@ def idot_q4_k_block(typingctx, src, o, xq, y, xs16, g, d, dmin):
                              _shuffle(builder, sums16, list(range(1, 16, 2))))
         imin = _reduce_add(builder, builder.mul(builder.zext(mn, ir.VectorType(_I32, 8)), sums32), 8)
 
-        f32 = ir.FloatType()
-        return builder.fsub(builder.fmul(d, builder.sitofp(isc, f32)), builder.fmul(dmin, builder.sitofp(imin, f32)))
+        return _scales_minus_mins(builder, d, isc, dmin, imin)
     return types.float32(src, o, xq, y, xs16, g, types.float32, types.float32), codegen
 
 
@@ -441,14 +453,11 @@ def idot_q2_k_block(typingctx, src, o, xq, y, xs16, g, d, dmin):
     """One Q2_K block (84 bytes at src[o], its fp16 d and dmin given as floats) times 256 Q8_K codes xq[y:]
     with their 16-sums at xs16[g:]: d * sum_i (sc_i & 15) (q_i . x_i) - dmin * sum_i (sc_i >> 4) sum(x_i) over
     the 16 runs of 16; 2-bit codes at shifts 0, 2, 4, 6 of 32-byte groups, one reduction for the scaled dots."""
-    if not (_byte_array(src) and _byte_array(xq) and isinstance(xs16, types.Array) and xs16.ndim == 1
-            and xs16.layout == "C" and xs16.dtype == types.int32):
+    if not (_byte_array(src) and _byte_array(xq) and _int32_array(xs16)):
         return None
 
     def codegen(context, builder, sig, args):
-        src_ty, src_v, o_v, xq_ty, xq_v, y_v, xs_ty, xs_v, g_v, d, dmin = (
-            sig.args[0], args[0], args[1], sig.args[2], args[2], args[3], sig.args[4], args[4], args[5], args[6],
-            args[7])
+        src_ty, src_v, o_v, xq_ty, xq_v, y_v, xs_ty, xs_v, g_v, d, dmin = _kblock_args(sig, args)
         sb = _load(context, builder, src_ty, src_v, o_v, 16)
         sc16 = builder.zext(builder.and_(sb, _vec_const(8, [15] * 16)), ir.VectorType(ir.IntType(16), 16))
         mins = builder.zext(builder.lshr(sb, _vec_const(8, [4] * 16)), ir.VectorType(_I32, 16))
@@ -465,8 +474,7 @@ def idot_q2_k_block(typingctx, src, o, xq, y, xs16, g, d, dmin):
         isc = _reduce_add(builder, total, 32)
         sums16 = _load_vec(context, builder, xs_ty, xs_v, g_v, _I32, 16)
         imin = _reduce_add(builder, builder.mul(mins, sums16), 16)
-        f32 = ir.FloatType()
-        return builder.fsub(builder.fmul(d, builder.sitofp(isc, f32)), builder.fmul(dmin, builder.sitofp(imin, f32)))
+        return _scales_minus_mins(builder, d, isc, dmin, imin)
     return types.float32(src, o, xq, y, xs16, g, types.float32, types.float32), codegen
 
 
