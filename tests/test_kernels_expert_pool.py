@@ -89,7 +89,8 @@ def test_expert_pool_rejects_bad_ids(rng):
         swiglu_experts(gate, 8, gate, 8, down, 8, x, np.array([2]), np.ones(1, np.float32), np.zeros(64, np.float32))
 
 
-@pytest.mark.parametrize("types", [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0, Q.Q8_0), (Q.Q6_K, Q.Q6_K, Q.Q4_K)])
+@pytest.mark.parametrize("types", [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0, Q.Q8_0), (Q.Q6_K, Q.Q6_K, Q.Q4_K),
+                                   (Q.Q2_K, Q.Q2_K, Q.IQ2_XS), (Q.IQ2_XS, Q.IQ2_XS, Q.Q2_K)])
 def test_integer_expert_pool_matches_ggml_rounding(rng, types):
     """quantized_activations: x rounded to int8 blocks as ggml does for gate/up, each expert's SwiGLU output
     rounded again before its down rows, integer dots. Reference: float64 products of the same roundings
