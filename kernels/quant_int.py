@@ -46,7 +46,12 @@ def quantize_q8(x, block, xq, xd):
             xd[b] = round_to_half(d)
             for i in range(b0, b0 + block):
                 v = x[i] * inv
-                q = np.floor(abs(v) + np.float32(0.5))  # roundf: halves away from zero
+                # roundf (halves away from zero), exactly: floor(|v| + 0.5) would round 0.49999997 up, since
+                # the sum rounds to 1.0 in float32; the fraction |v| - floor(|v|) is exact.
+                a = abs(v)
+                q = np.floor(a)
+                if a - q >= np.float32(0.5):
+                    q += np.float32(1.0)
                 xq[i] = np.int8(q if v >= 0 else -q)
         else:
             iscale = np.float32(-127.0) / vmax

@@ -207,3 +207,14 @@ def test_q2_0_quantizer_zero_block_and_bad_input(rng):
     values[0, 3] = np.nan
     with pytest.raises(ValueError, match="NaN"):
         quantize_q2_0(values)
+
+
+def test_activation_rounding_at_and_just_below_half():
+    """ggml rounds Q8_0 activation codes with roundf: 0.49999997 -> 0 (floor(x + 0.5) would give 1, the sum
+    rounding to 1.0 in float32), exact halves away from zero. With the block's largest value 127, d = 1."""
+    below = float(np.nextafter(np.float32(0.5), np.float32(0.0)))
+    x = np.zeros((1, 32), np.float32)
+    x[0, :7] = [127.0, below, -below, 0.5, -0.5, 1.5, 2.5]
+    got = quant.quantize_activations(x, _ggml_type("Q8_0"))
+    np.testing.assert_array_equal(got, reference_activations(x, "Q8_0").astype(np.float32))
+    np.testing.assert_array_equal(got[0, :7], [127.0, 0.0, 0.0, 1.0, -1.0, 2.0, 3.0])
