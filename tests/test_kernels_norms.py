@@ -68,7 +68,9 @@ def test_gated_rmsnorm_matches_reference_and_transformers(rng, n, h, d):
     w = randn(rng, d)  # stored unchanged: HF multiplies by this weight directly
     eps = 1e-6
     out = gated_rmsnorm(x, gate, w, eps)
-    np.testing.assert_allclose(out, gated_rmsnorm_ref(x, gate, w, eps), rtol=0, atol=F64_TOL * 4)
+    # Outputs reach ~30 (normal weights times silu of gates of scale 4): float32 rounding is relative there
+    # (seen 1.0e-5 at |out| 30, 3.4e-7 relative), so a relative bar joins the absolute one.
+    np.testing.assert_allclose(out, gated_rmsnorm_ref(x, gate, w, eps), rtol=F64_TOL, atol=F64_TOL * 4)
     norm = Qwen3NextRMSNormGated(d, eps=eps)
     with torch.no_grad():
         norm.weight.copy_(torch.from_numpy(w))
