@@ -152,18 +152,22 @@ def test_built_on_first_use_and_rebuilt_when_stale(monkeypatch, tmp_path, built)
 
 
 @pytest.mark.slow
-def test_runtime_gives_non_degenerate_logits(built):
+def test_runtime_gives_non_degenerate_logits(built, rng):
     import strata_async
 
     with strata_async.load(built) as model:
-        ids = np.random.default_rng().integers(0, 800, size=12)
+        ids = rng.integers(0, 800, size=12)
         logits = model.logits(ids.tolist()).astype(np.float64)
     assert np.isfinite(logits).all()
     probs = np.exp(logits - logits.max(axis=1, keepdims=True))
     probs /= probs.sum(axis=1, keepdims=True)
     entropy = -(probs * np.log(probs + 1e-300)).sum(axis=1)
     assert (logits.std(axis=1) > 1.0).all()
-    assert (entropy > 0.5).all() and (entropy < 0.9 * np.log(logits.shape[1])).all()  # neither one-hot nor flat
+    # Neither one-hot nor flat. A random model is sometimes confident at one position (over 450 random prompts
+    # the lowest entropy at any position was 0.10 nats, and it fell below 0.5 in ~5% of prompts), so the bar
+    # on every position is "not one-hot" and the typical position must be far from it (median seen >= 2.85).
+    assert (entropy > 0.01).all() and np.median(entropy) > 1.0
+    assert (entropy < 0.9 * np.log(logits.shape[1])).all()
     assert len(set(np.argmax(logits, axis=1).tolist())) > 3  # the argmax moves with the input
 
 
