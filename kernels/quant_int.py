@@ -4,7 +4,7 @@ ggml multiplies a quantized weight row by activations it first rounds to int8 bl
 values: an fp16 scale, 32 int8) for Q8_0 weights, Q8_K (per 256: a float32 scale, 256 int8 and the sums of
 each 16) for the K-quants. The products inside a block are then exact integers and only the block's
 scales are floating point. These kernels do the same: the codes of a weight block times the int8
-activations, summed in vector lanes (kernels/simd.py: vpmaddwd or vpdpbusd), one float multiply per
+activations, summed in vector lanes (kernels/simd.py: vpmaddwd), one float multiply per
 (sub-)block. The activations take a quarter of the float32 bytes, which also relieves the caches.
 
 Results equal the float dot product of the dequantized weights with the dequantized activations up to

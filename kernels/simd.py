@@ -4,8 +4,8 @@ LLVM does not vectorize the integer dot products of a ggml block as Numba lowers
 an array is a signed integer with a wraparound select, and the 16/32-value reductions stay scalar (one
 movsx/imul/add per weight, ~0.5 ns per weight on a 3 GHz core, a third of what one core reads from RAM).
 Each function here loads one run of bytes as a vector, extracts the codes, multiplies them with int8
-activations and sums, in one expression the x86 backend lowers to vpmovsx/vpmaddwd (or vpdpbusd where
-the CPU has VNNI) and a short horizontal add. The half-float load is one vcvtph2ps instead of a
+activations and sums, in one expression the x86 backend lowers to vpmovsx/vpmaddwd and a short horizontal
+add (seen in the generated code; VNNI's vpdpbusd is not used). The half-float load is one vcvtph2ps instead of a
 branchy bit decode; it is exact, as is every integer sum here (|sum| < 2^24).
 
 Arguments are 1-D contiguous uint8/int8 arrays and element offsets into them; nothing is bounds checked
