@@ -10,7 +10,7 @@ branchy bit decode; it is exact, as is every integer sum here (|sum| < 2^24).
 
 Arguments are 1-D contiguous uint8/int8 arrays and element offsets into them; nothing is bounds checked
 (as Numba's own indexing is not): callers index inside their blocks. Tests compare each function with
-numpy on random bytes (tests/test_quant_int.py).
+numpy on random bytes (tests/test_simd.py); the format tests cover them through the kernels.
 """
 
 import platform
@@ -25,20 +25,38 @@ _I8 = ir.IntType(8)
 _I32 = ir.IntType(32)
 
 
+def _array_1d(ty, *dtypes) -> bool:
+    """Whether a Numba type is a 1-D C-contiguous array of one of these dtypes."""
+    return isinstance(ty, types.Array) and ty.ndim == 1 and ty.layout == "C" and ty.dtype in dtypes
+
+
 def _byte_array(ty) -> bool:
-    return (isinstance(ty, types.Array) and ty.ndim == 1 and ty.layout == "C"
-            and ty.dtype in (types.uint8, types.int8))
+    return _array_1d(ty, types.uint8, types.int8)
+
+
+def _float_array(ty) -> bool:
+    return _array_1d(ty, types.float32)
 
 
 def _pointer(context, builder, ary_ty, ary, off, elem):
-    """Pointer to ary[off] as `elem`* (byte arrays only)."""
+    """Pointer to element `off` of an array, as `elem`*."""
     data = context.make_array(ary_ty)(context, builder, ary).data
     return builder.bitcast(builder.gep(data, [off]), elem.as_pointer())
 
 
+def _load_vec(context, builder, ary_ty, ary, off, elem, n):
+    """n elements of `elem` type from element offset `off`, as a vector."""
+    return builder.load(_pointer(context, builder, ary_ty, ary, off, ir.VectorType(elem, n)), align=1)
+
+
 def _load(context, builder, ary_ty, ary, off, n):
-    vec = ir.VectorType(_I8, n)
-    return builder.load(_pointer(context, builder, ary_ty, ary, off, vec), align=1)
+    """n bytes from byte offset `off`, as <n x i8>."""
+    return _load_vec(context, builder, ary_ty, ary, off, _I8, n)
+
+
+def _at(builder, base, k):
+    """base + k, k a Python int."""
+    return builder.add(base, ir.Constant(base.type, k))
 
 
 def _splat(builder, value, n, width=8):
@@ -52,31 +70,6 @@ def _splat(builder, value, n, width=8):
     return builder.shuffle_vector(first, undef, ir.Constant(ir.VectorType(_I32, n), [0] * n))
 
 
-def _reduce_dot(builder, codes, signed_codes, x, n):
-    """sum(codes * x) in int32: codes <n x i8> (unsigned or signed), x <n x i8> signed."""
-    vec32 = ir.VectorType(_I32, n)
-    a = builder.sext(codes, vec32) if signed_codes else builder.zext(codes, vec32)
-    prod = builder.mul(a, builder.sext(x, vec32))
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, [vec32]),
-                                        f"llvm.vector.reduce.add.v{n}i32")
-    return builder.call(fn, [prod])
-
-
-def _make_idot_s8(n):
-    @intrinsic
-    def idot_s8(typingctx, a, ao, x, xo):
-        """sum over i < n of int8(a[ao + i]) * x[xo + i]."""
-        if not (_byte_array(a) and _byte_array(x)):
-            return None
-
-        def codegen(context, builder, sig, args):
-            va = _load(context, builder, sig.args[0], args[0], args[1], n)
-            vx = _load(context, builder, sig.args[2], args[2], args[3], n)
-            return _reduce_dot(builder, va, True, vx, n)
-        return types.int32(a, ao, x, xo), codegen
-    return idot_s8
-
-
 def _vec_const(width, values):
     return ir.Constant(ir.VectorType(ir.IntType(width), len(values)), list(values))
 
@@ -85,6 +78,20 @@ def _reduce_add(builder, vec, n):
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, [vec.type]),
                                         f"llvm.vector.reduce.add.v{n}i32")
     return builder.call(fn, [vec])
+
+
+@intrinsic
+def idot_s8_32(typingctx, a, ao, x, xo):
+    """sum over i < 32 of int8(a[ao + i]) * x[xo + i] (Q8_0)."""
+    if not (_byte_array(a) and _byte_array(x)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v32 = ir.VectorType(_I32, 32)
+        va = builder.sext(_load(context, builder, sig.args[0], args[0], args[1], 32), v32)
+        vx = builder.sext(_load(context, builder, sig.args[2], args[2], args[3], 32), v32)
+        return _reduce_add(builder, builder.mul(va, vx), 32)
+    return types.int32(a, ao, x, xo), codegen
 
 
 def _scaled_products(builder, codes, scales16, x, signed=False):
@@ -100,7 +107,7 @@ def _scaled_products(builder, codes, scales16, x, signed=False):
 def _q6_half_codes(context, builder, ary_ty, ary, ql, qh, sc):
     """The four 32-value runs of a Q6_K half as signed (code - 32) <32 x i8>, and its 8 scales as <8 x i16>."""
     ql0 = _load(context, builder, ary_ty, ary, ql, 32)
-    ql1 = _load(context, builder, ary_ty, ary, builder.add(ql, ir.Constant(ql.type, 32)), 32)
+    ql1 = _load(context, builder, ary_ty, ary, _at(builder, ql, 32), 32)
     qhv = _load(context, builder, ary_ty, ary, qh, 32)
     scales = builder.sext(_load(context, builder, ary_ty, ary, sc, 8), ir.VectorType(ir.IntType(16), 8))
     low4, three, four = _vec_const(8, [15] * 32), _vec_const(8, [3] * 32), _vec_const(8, [4] * 32)
@@ -125,7 +132,7 @@ def idot_q6_half(typingctx, src, ql, qh, sc, x, xo):
         total = None
         for k in range(4):
             sc16 = builder.shuffle_vector(scales, scales, _vec_const(32, [2 * k] * 16 + [2 * k + 1] * 16))
-            xo = builder.add(args[5], ir.Constant(args[5].type, 32 * k))
+            xo = _at(builder, args[5], 32 * k)
             x8 = _load(context, builder, sig.args[4], args[4], xo, 32)
             part = _scaled_products(builder, codes[k], sc16, x8, True)
             total = part if total is None else builder.add(total, part)
@@ -133,19 +140,12 @@ def idot_q6_half(typingctx, src, ql, qh, sc, x, xo):
     return types.int32(src, ql, qh, sc, x, xo), codegen
 
 
-def _load_vec(context, builder, ary_ty, ary, off, elem, n):
-    """n elements of ary's type from element offset `off`, as a vector."""
-    data = context.make_array(ary_ty)(context, builder, ary).data
-    ptr = builder.bitcast(builder.gep(data, [off]), ir.VectorType(elem, n).as_pointer())
-    return builder.load(ptr, align=1)
-
-
 def _shuffle(builder, vec, lanes):
     return builder.shuffle_vector(vec, vec, _vec_const(32, lanes))
 
 
 def _int32_array(ty) -> bool:
-    return isinstance(ty, types.Array) and ty.ndim == 1 and ty.layout == "C" and ty.dtype == types.int32
+    return _array_1d(ty, types.int32)
 
 
 def _kblock_args(sig, args):
@@ -172,11 +172,8 @@ def idot_q4_k_block(typingctx, src, o, xq, y, xs16, g, d, dmin):
     def codegen(context, builder, sig, args):
         src_ty, src_v, o_v, xq_ty, xq_v, y_v, xs_ty, xs_v, g_v, d, dmin = _kblock_args(sig, args)
 
-        def at(base, k):
-            return builder.add(base, ir.Constant(base.type, k))
-
         v8 = ir.VectorType(_I8, 8)
-        sb = _load_vec(context, builder, src_ty, src_v, at(o_v, 4), _I8, 16)  # the 12 scale bytes (+4 of codes)
+        sb = _load(context, builder, src_ty, src_v, _at(builder, o_v, 4), 16)  # the 12 scale bytes (+4 of codes)
         low_half = ir.Constant(ir.VectorType(ir.IntType(1), 8), [1, 1, 1, 1, 0, 0, 0, 0])
 
         def lanes(idx):
@@ -195,12 +192,12 @@ def idot_q4_k_block(typingctx, src, o, xq, y, xs16, g, d, dmin):
 
         total = None
         for gi in range(4):
-            q = _load(context, builder, src_ty, src_v, at(o_v, 16 + 32 * gi), 32)
+            q = _load(context, builder, src_ty, src_v, _at(builder, o_v, 16 + 32 * gi), 32)
             for half, codes in enumerate((builder.and_(q, _vec_const(8, [15] * 32)),
                                           builder.lshr(q, _vec_const(8, [4] * 32)))):
                 j = 2 * gi + half
                 scale = builder.shuffle_vector(sc16, sc16, _vec_const(32, [j] * 32))
-                x = _load(context, builder, xq_ty, xq_v, at(y_v, 32 * j), 32)
+                x = _load(context, builder, xq_ty, xq_v, _at(builder, y_v, 32 * j), 32)
                 part = _scaled_products(builder, codes, scale, x)
                 total = part if total is None else builder.add(total, part)
         isc = _reduce_add(builder, total, 32)
@@ -215,7 +212,7 @@ def idot_q4_k_block(typingctx, src, o, xq, y, xs16, g, d, dmin):
 
 
 def _u64_table(ty) -> bool:
-    return isinstance(ty, types.Array) and ty.ndim == 1 and ty.layout == "C" and ty.dtype == types.uint64
+    return _array_1d(ty, types.uint64)
 
 
 def _grid_values(context, builder, grid_ty, grid, signs_ty, signs, q_ty, q, qo):
@@ -259,10 +256,6 @@ def idot_grid8x4(typingctx, grid, signs, q, qo, sc_lo, sc_hi, x, xo):
     return types.int32(grid, signs, q, qo, sc_lo, sc_hi, x, xo), codegen
 
 
-def _float_array(ty) -> bool:
-    return isinstance(ty, types.Array) and ty.ndim == 1 and ty.layout == "C" and ty.dtype == types.float32
-
-
 def _reduce_fadd(builder, vec, n):
     """Sum of a <n x float> in any order (a tree of vector adds)."""
     f32 = ir.FloatType()
@@ -299,15 +292,12 @@ def fdot_nibbles_32(typingctx, src, o, x, xo, s_lo, s_hi):
         lo = builder.uitofp(builder.and_(q, _vec_const(8, [15] * 32)), vf)
         hi = builder.uitofp(builder.lshr(q, _vec_const(8, [4] * 32)), vf)
         x_lo = _load_vec(context, builder, sig.args[2], args[2], args[3], f32, 32)
-        x_hi = _load_vec(context, builder, sig.args[2], args[2], builder.add(args[3], ir.Constant(args[3].type, 32)),
-                         f32, 32)
+        x_hi = _load_vec(context, builder, sig.args[2], args[2], _at(builder, args[3], 32), f32, 32)
         fl = ("reassoc", "nsz", "contract")
 
-        def splat(v):
-            first = builder.insert_element(ir.Constant(vf, ir.Undefined), v, ir.Constant(_I32, 0))
-            return builder.shuffle_vector(first, ir.Constant(vf, ir.Undefined), _vec_const(32, [0] * 32))
-        total = builder.fadd(builder.fmul(builder.fmul(lo, x_lo, flags=fl), splat(args[4]), flags=fl),
-                             builder.fmul(builder.fmul(hi, x_hi, flags=fl), splat(args[5]), flags=fl), flags=fl)
+        total = builder.fadd(builder.fmul(builder.fmul(lo, x_lo, flags=fl), _splat_f(builder, args[4]), flags=fl),
+                             builder.fmul(builder.fmul(hi, x_hi, flags=fl), _splat_f(builder, args[5]), flags=fl),
+                             flags=fl)
         return _reduce_fadd(builder, total, 32)
     return types.float32(src, o, x, xo, types.float32, types.float32), codegen
 
@@ -327,7 +317,7 @@ def fdot_q6_half(typingctx, src, ql, qh, sc, x, xo):
         for k in range(4):
             runs = _vec_const(32, [2 * k] * 16 + [2 * k + 1] * 16)
             sc = builder.sitofp(builder.shuffle_vector(scales, scales, runs), vf)
-            xo = builder.add(args[5], ir.Constant(args[5].type, 32 * k))
+            xo = _at(builder, args[5], 32 * k)
             xv = _load_vec(context, builder, sig.args[4], args[4], xo, f32, 32)
             part = builder.fmul(builder.fmul(builder.sitofp(codes[k], vf), sc, flags=fl), xv, flags=fl)
             total = part if total is None else builder.fadd(total, part, flags=fl)
@@ -347,10 +337,6 @@ def _splat_f(builder, v, n=32):
     vf = ir.VectorType(ir.FloatType(), n)
     first = builder.insert_element(ir.Constant(vf, ir.Undefined), v, ir.Constant(_I32, 0))
     return builder.shuffle_vector(first, ir.Constant(vf, ir.Undefined), _vec_const(32, [0] * n))
-
-
-def _at(builder, base, k):
-    return builder.add(base, ir.Constant(base.type, k))
 
 
 @intrinsic
@@ -438,7 +424,7 @@ def fdot_f32_64(typingctx, a, b, n64):
         with cgutils.for_range(builder, args[2]) as loop:
             base = builder.mul(loop.index, ir.Constant(loop.index.type, 64))
             for j in range(4):
-                off = builder.add(base, ir.Constant(base.type, 16 * j))
+                off = _at(builder, base, 16 * j)
                 va = builder.load(builder.bitcast(builder.gep(pa, [off]), v16.as_pointer()), align=4)
                 vb = builder.load(builder.bitcast(builder.gep(pb, [off]), v16.as_pointer()), align=4)
                 builder.store(builder.fadd(builder.load(accs[j]), builder.fmul(va, vb, flags=fl), flags=fl), accs[j])
@@ -495,9 +481,6 @@ def dequant_q2_32(typingctx, src, qs, shift, dl0, ml0, dl1, ml1, dst, y):
         _store(context, builder, sig.args[7], args[7], args[8], builder.fsub(builder.fmul(dl, codes), ml))
         return context.get_dummy_value()
     return types.none(src, qs, shift, types.float32, types.float32, types.float32, types.float32, dst, y), codegen
-
-
-idot_s8_32 = _make_idot_s8(32)
 
 
 def _has_f16c() -> bool:
