@@ -17,7 +17,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .quant import _check_weights, _format, quantize_activations
+from .quant import _check_weights, _format, quantize_activations, quantize_q8_blocks
 from .quant_dispatch import _FASTMATH, _dot, dequant_row, fused_dot, has_fused_dot, has_int_dot, int_dot
 from .quant_dot import block_sums32
 from .quant_int import quantize_q8, sums16
@@ -101,6 +101,13 @@ def _swiglu_experts_int(tg, gate, tu, up, td, down, x, x_block, h_block, ids, we
             out[r] += acc
 
 
+@numba.njit(inline="always", nogil=True)
+def _task_rows(task, per_group, n_rows):
+    """(group, first row, end row) of a grouped call's task: tasks are (group, block of rows)."""
+    r0 = (task % per_group) * _ROWS_PER_TASK
+    return task // per_group, r0, min(n_rows, r0 + _ROWS_PER_TASK)
+
+
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
 def _experts_gate_up_grouped(tg, gate, tu, up, x, pair_tokens, group_experts, group_starts, h):
     """h[p] = silu(gate_e x[pair_tokens[p]]) * (up_e x[pair_tokens[p]]) for every pair p of every group (one
@@ -109,11 +116,11 @@ def _experts_gate_up_grouped(tg, gate, tu, up, x, pair_tokens, group_experts, gr
     ffn = gate.shape[1]
     per_group = (ffn + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
     for task in numba.prange(group_experts.shape[0] * per_group):
-        g = task // per_group
+        g, r0, r1 = _task_rows(task, per_group, ffn)
         e = group_experts[g]
         gbuf = np.empty(x.shape[1], np.float32)
         ubuf = np.empty(x.shape[1], np.float32)
-        for r in range((task % per_group) * _ROWS_PER_TASK, min(ffn, (task % per_group + 1) * _ROWS_PER_TASK)):
+        for r in range(r0, r1):
             dequant_row(tg, gate[e, r], gbuf)
             dequant_row(tu, up[e, r], ubuf)
             for p in range(group_starts[g], group_starts[g + 1]):
@@ -128,13 +135,49 @@ def _experts_down_grouped(td, down, h, group_experts, group_starts, y):
     hidden = down.shape[1]
     per_group = (hidden + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
     for task in numba.prange(group_experts.shape[0] * per_group):
-        g = task // per_group
+        g, r0, r1 = _task_rows(task, per_group, hidden)
         e = group_experts[g]
         buf = np.empty(h.shape[1], np.float32)
-        for r in range((task % per_group) * _ROWS_PER_TASK, min(hidden, (task % per_group + 1) * _ROWS_PER_TASK)):
+        for r in range(r0, r1):
             dequant_row(td, down[e, r], buf)
             for p in range(group_starts[g], group_starts[g + 1]):
                 y[p, r] = _dot(buf, h[p])
+
+
+@numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
+def _experts_gate_up_grouped_int(tg, gate, tu, up, xq, xd, xs, pair_tokens, group_experts, group_starts, h):
+    """_experts_gate_up_grouped with integer dots: the tokens' int8 codes xq [n, hidden], block scales xd and
+    16-sums xs (one row per token); the weight rows are read in place, never decoded."""
+    ffn = gate.shape[1]
+    per_group = (ffn + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
+    for task in numba.prange(group_experts.shape[0] * per_group):
+        g, r0, r1 = _task_rows(task, per_group, ffn)
+        e = group_experts[g]
+        for r in range(r0, r1):
+            for p in range(group_starts[g], group_starts[g + 1]):
+                t = pair_tokens[p]
+                gv = int_dot(tg, gate[e, r], xq[t], xd[t], xs[t])
+                h[p, r] = gv / (np.float32(1.0) + np.exp(-gv)) * int_dot(tu, up[e, r], xq[t], xd[t], xs[t])
+
+
+@numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
+def _experts_down_grouped_int(td, down, hq, hd, hs, group_experts, group_starts, y):
+    """_experts_down_grouped with integer dots against each pair's quantized SwiGLU output."""
+    hidden = down.shape[1]
+    per_group = (hidden + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
+    for task in numba.prange(group_experts.shape[0] * per_group):
+        g, r0, r1 = _task_rows(task, per_group, hidden)
+        e = group_experts[g]
+        for r in range(r0, r1):
+            for p in range(group_starts[g], group_starts[g + 1]):
+                y[p, r] = int_dot(td, down[e, r], hq[p], hd[p], hs[p])
+
+
+def _quantize_rows(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each row of x [n, k] rounded as ggml rounds activations: int8 codes, block scales, 16-sums, one row each."""
+    xq, xd, xs = quantize_q8_blocks(np.ascontiguousarray(x, np.float32).reshape(-1), block)
+    n = x.shape[0]
+    return xq.reshape(n, -1), xd.reshape(n, -1), xs.reshape(n, -1)
 
 
 def swiglu_experts_grouped(gate: np.ndarray, gate_type: int, up: np.ndarray, up_type: int, down: np.ndarray,
@@ -167,13 +210,20 @@ def swiglu_experts_grouped(gate: np.ndarray, gate_type: int, up: np.ndarray, up_
         raise ValueError("groups must be expert numbers with starts 0 <= ... <= number of pairs, and pair "
                          "tokens rows of x")
     x = np.ascontiguousarray(x, np.float32)
+    h = np.empty((pair_tokens.shape[0], ffn), np.float32)
+    y = np.empty((pair_tokens.shape[0], hidden), np.float32)
+    if quantized_activations and has_int_pool(gate_type, up_type, down_type):
+        _experts_gate_up_grouped_int(int(gate_type), gate, int(up_type), up,
+                                     *_quantize_rows(x, _format(gate_type).act_block), pair_tokens, group_experts,
+                                     group_starts, h)
+        _experts_down_grouped_int(int(down_type), down, *_quantize_rows(h, _format(down_type).act_block),
+                                  group_experts, group_starts, y)
+        return y
     if quantized_activations:
         x = quantize_activations(x, gate_type)
-    h = np.empty((pair_tokens.shape[0], ffn), np.float32)
     _experts_gate_up_grouped(int(gate_type), gate, int(up_type), up, x, pair_tokens, group_experts, group_starts, h)
     if quantized_activations:
         h = quantize_activations(h, down_type)
-    y = np.empty((pair_tokens.shape[0], hidden), np.float32)
     _experts_down_grouped(int(down_type), down, h, group_experts, group_starts, y)
     return y
 

@@ -89,13 +89,25 @@ def test_expert_pool_rejects_bad_ids(rng):
         swiglu_experts(gate, 8, gate, 8, down, 8, x, np.array([2]), np.ones(1, np.float32), np.zeros(64, np.float32))
 
 
+def _rounded_expert_ref(x, g64, u64, d64, tg, td):
+    """One expert's SwiGLU in float64 with ggml's roundings (x for gate/up, the SwiGLU output for down, both by
+    quantize_activations, itself checked against ggml's rules), and the error bound: a rounding that falls the
+    other way on a float32-vs-float64 tie is allowed one quantization step."""
+    xr = quant.quantize_activations(x, int(tg)).astype(np.float64)
+    g, u = g64 @ xr, u64 @ xr
+    h = g / (1 + np.exp(-g)) * u
+    hr = quant.quantize_activations(h.astype(np.float32), int(td)).astype(np.float64)
+    block = 32 if td == Q.Q8_0 else 256
+    step = np.repeat(np.abs(h).reshape(-1, block).max(axis=1) / 127, block)
+    return d64 @ hr, np.abs(d64) @ (step + TOL * (np.abs(hr) + 1))
+
+
 @pytest.mark.parametrize("types", [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0, Q.Q8_0), (Q.Q6_K, Q.Q6_K, Q.Q4_K),
                                    (Q.Q2_K, Q.Q2_K, Q.IQ2_XS), (Q.IQ2_XS, Q.IQ2_XS, Q.Q2_K)])
 def test_integer_expert_pool_matches_ggml_rounding(rng, types):
     """quantized_activations: x rounded to int8 blocks as ggml does for gate/up, each expert's SwiGLU output
     rounded again before its down rows, integer dots. Reference: float64 products of the same roundings
-    (quantize_activations, itself checked against ggml's rules); a rounding that falls the other way on a
-    float32-vs-float64 tie is allowed one quantization step."""
+    (_rounded_expert_ref)."""
     tg, tu, td = types
     n_experts, ffn, hidden, k = 6, 512, 256, 4
     gate = np.stack([random_rows(rng, tg, ffn, hidden) for _ in range(n_experts)])
@@ -110,16 +122,11 @@ def test_integer_expert_pool_matches_ggml_rounding(rng, types):
     base = rng.standard_normal(hidden).astype(np.float32)
     got = swiglu_experts(gate, int(tg), up, int(tu), down, int(td), x, ids, weights, base.copy(),
                          quantized_activations=True)
-    xr = quant.quantize_activations(x, int(tg)).astype(np.float64)
     expected, bound = base.astype(np.float64), np.abs(base).astype(np.float64) * TOL
-    block = 32 if td == Q.Q8_0 else 256
     for e, w in zip(ids, weights.astype(np.float64)):
-        g, u = g64[e] @ xr, u64[e] @ xr
-        h = g / (1 + np.exp(-g)) * u
-        hr = quant.quantize_activations(h.astype(np.float32), int(td)).astype(np.float64)
-        step = np.repeat(np.abs(h).reshape(-1, block).max(axis=1) / 127, block)
-        expected += w * (d64[e] @ hr)
-        bound += w * (np.abs(d64[e]) @ (step + TOL * (np.abs(hr) + 1)))
+        y, b = _rounded_expert_ref(x, g64[e], u64[e], d64[e], tg, td)
+        expected += w * y
+        bound += w * b
     assert np.all(np.abs(got - expected) <= bound)
     assert np.abs(got - base).max() > 0
     float_pool = swiglu_experts(gate, int(tg), up, int(tu), down, int(td), x, ids, weights, base.copy())
@@ -155,3 +162,11 @@ def test_grouped_experts_match_float64(rng, types):
     with pytest.raises(ValueError, match="groups"):
         swiglu_experts_grouped(gate, int(tg), up, int(tu), down, int(td), x, pair_tokens, group_experts,
                                group_starts[:-1])
+    # quantized_activations: each token rounded for gate/up, each pair's SwiGLU output for down, integer dots
+    yq = swiglu_experts_grouped(gate, int(tg), up, int(tu), down, int(td), x, pair_tokens, group_experts,
+                                group_starts, quantized_activations=True)
+    for g, e in enumerate(group_experts):
+        for p in range(group_starts[g], group_starts[g + 1]):
+            expected, bound = _rounded_expert_ref(x[pair_tokens[p]], g64[e], u64[e], d64[e], tg, td)
+            assert np.all(np.abs(yq[p] - expected) <= bound), (g, p)
+    assert np.abs(yq - y).max() > 0  # the rounding happened
