@@ -14,7 +14,7 @@ from gguf import quants as gguf_quants
 
 from .ggml_blocks import f16, half_to_float, u16, u32
 from .quant import register_type
-from .simd import dequant_grid8x4, idot_grid8x4
+from .simd import dequant_grid8x4, idot_iq2_xs_block
 
 IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M = 16, 17, 18, 19, 21, 22, 29
 _QK = 256
@@ -46,7 +46,7 @@ assert _KSIGNS.shape == (128,)
 # +1 / -1 for bit j of a sign byte: applying signs by multiplication keeps the 8-value loops branch-free
 # (vectorizable) instead of a select per value.
 _SIGN8 = np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, -1.0, 1.0).astype(np.float32)
-# The same tables for the integer dot (kernels/simd.idot_grid8x4): IQ2_XS grid points as 8 bytes in a uint64,
+# The same tables for the integer dot (kernels/simd.idot_iq2_xs_block): IQ2_XS grid points as 8 bytes in a uint64,
 # and each sign index's 8 signs as 0xFF (negative) / 0x00 bytes.
 _IQ2XS_GRID64 = np.ascontiguousarray(_IQ2XS_GRID.astype(np.uint8)).view(np.uint64).reshape(-1)
 _KSIGNS64 = np.ascontiguousarray(np.where(_SIGN8[_KSIGNS] < 0, 0xFF, 0).astype(np.uint8)).view(np.uint64).reshape(-1)
@@ -245,10 +245,6 @@ def idot_iq2_xs(src, xq, xd):
     acc = np.float32(0.0)
     for b in range(xq.shape[0] // _QK):
         o = b * 74
-        isum = np.int32(0)
-        for ib in range(8):
-            sc = np.int32(src[o + 66 + ib])
-            isum += idot_grid8x4(_IQ2XS_GRID64, _KSIGNS64, src, o + 2 + 8 * ib, 2 * (sc & 15) + 1, 2 * (sc >> 4) + 1,
-                                 xq, b * _QK + 32 * ib)
+        isum = idot_iq2_xs_block(_IQ2XS_GRID64, _KSIGNS64, src, o, xq, b * _QK)
         acc += f16(src, o) * xd[b] * np.float32(isum)
     return acc * np.float32(0.125)

@@ -260,45 +260,73 @@ def _u64_table(ty) -> bool:
     return _array_1d(ty, types.uint64)
 
 
-def _grid_values(context, builder, grid_ty, grid, signs_ty, signs, q_ty, q, qo):
-    """The 32 signed values <32 x i8> of four i-quant groups whose uint16 codes start at byte qo of q."""
+def _grid_lookup(context, builder, grid_ty, grid, signs_ty, signs, q_ty, q, qo, n):
+    """The values of n i-quant groups whose uint16 codes start at byte qo of q: each group's 8 grid bytes
+    (magnitudes) and 8 sign-mask bytes (0xFF where negative), as two <8 n x i8>."""
     i16, i64 = ir.IntType(16), ir.IntType(64)
-    codes = _load_vec(context, builder, q_ty, q, qo, i16, 4)
+    codes = _load_vec(context, builder, q_ty, q, qo, i16, n)
     grid_data = context.make_array(grid_ty)(context, builder, grid).data
     signs_data = context.make_array(signs_ty)(context, builder, signs).data
-    g4 = ir.Constant(ir.VectorType(i64, 4), ir.Undefined)
-    m4 = ir.Constant(ir.VectorType(i64, 4), ir.Undefined)
-    for lane in range(4):
+    g = ir.Constant(ir.VectorType(i64, n), ir.Undefined)
+    m = ir.Constant(ir.VectorType(i64, n), ir.Undefined)
+    for lane in range(n):
         code = builder.zext(builder.extract_element(codes, ir.Constant(_I32, lane)), i64)
         point = builder.and_(code, ir.Constant(i64, 511))
         sign = builder.lshr(code, ir.Constant(i64, 9))
-        g4 = builder.insert_element(g4, builder.load(builder.gep(grid_data, [point])), ir.Constant(_I32, lane))
-        m4 = builder.insert_element(m4, builder.load(builder.gep(signs_data, [sign])), ir.Constant(_I32, lane))
-    v8 = ir.VectorType(_I8, 32)
-    g8, m8 = builder.bitcast(g4, v8), builder.bitcast(m4, v8)
-    return builder.sub(builder.xor(g8, m8), m8)  # negated where the mask byte is 0xFF
+        g = builder.insert_element(g, builder.load(builder.gep(grid_data, [point])), ir.Constant(_I32, lane))
+        m = builder.insert_element(m, builder.load(builder.gep(signs_data, [sign])), ir.Constant(_I32, lane))
+    v8 = ir.VectorType(_I8, 8 * n)
+    return builder.bitcast(g, v8), builder.bitcast(m, v8)
+
+
+def _negate_where(builder, v, mask):
+    """v negated in the lanes where mask is all ones (two's complement: (v ^ m) - m)."""
+    return builder.sub(builder.xor(v, mask), mask)
+
+
+def _grid_values(context, builder, grid_ty, grid, signs_ty, signs, q_ty, q, qo):
+    """The 32 signed values <32 x i8> of four i-quant groups whose uint16 codes start at byte qo of q."""
+    g8, m8 = _grid_lookup(context, builder, grid_ty, grid, signs_ty, signs, q_ty, q, qo, 4)
+    return _negate_where(builder, g8, m8)
 
 
 @intrinsic
-def idot_grid8x4(typingctx, grid, signs, q, qo, sc_lo, sc_hi, x, xo):
-    """32 i-quant weights (four groups of 8) times int8 x[xo:xo+32], groups 0-1 times sc_lo, 2-3 times sc_hi:
-    each group's uint16 at q[qo + 2 g] holds a grid point (low 9 bits) and a sign index (high 7 bits); the
-    point's 8 byte values come from grid (uint64 [points]), its signs from signs (uint64 [128], 0xFF bytes
-    where negative). The signed values (|v| * scale < 2^15) go through vpmaddwd with x; one reduction."""
-    if not (_u64_table(grid) and _u64_table(signs) and _byte_array(q) and _byte_array(x)):
+def idot_iq2_xs_block(typingctx, grid, signs, src, o, x, xo):
+    """The integer sum of one IQ2_XS block (74 bytes at src[o]) times 256 int8 x[xo:]: per 16 values
+    (2 * 4-bit scale + 1) * (signed grid values . x). Each group's uint16 (from o + 2) holds a grid point
+    (low 9 bits) and a sign index (high 7 bits); the point's 8 byte magnitudes come from grid (uint64
+    [points]), its signs from signs (uint64 [128], 0xFF bytes where negative) and go onto x instead, so the
+    magnitudes stay unsigned for vpmaddubsw (AVX-512BW; else vpmaddwd): x must lie in [-127, 127], as
+    ggml's activation codes do (-128 has no negation). One reduction per block."""
+    if not (_u64_table(grid) and _u64_table(signs) and _byte_array(src) and _byte_array(x)):
         return None
 
     def codegen(context, builder, sig, args):
-        grid_ty, grid_v, signs_ty, signs_v, q_ty, q_v, qo_v, lo_v, hi_v, x_ty, x_v, xo_v = (
-            sig.args[0], args[0], sig.args[1], args[1], sig.args[2], args[2], args[3], args[4], args[5],
-            sig.args[6], args[6], args[7])
-        values = _grid_values(context, builder, grid_ty, grid_v, signs_ty, signs_v, q_ty, q_v, qo_v)
-        lo = _splat(builder, lo_v, 32, 16)
-        hi = _splat(builder, hi_v, 32, 16)
-        scales = builder.shuffle_vector(lo, hi, _vec_const(32, [0] * 16 + [32] * 16))
-        x8 = _load(context, builder, x_ty, x_v, xo_v, 32)
-        return _reduce_add(builder, _scaled_products(builder, values, scales, x8, True), 32)
-    return types.int32(grid, signs, q, qo, sc_lo, sc_hi, x, xo), codegen
+        grid_ty, grid_v, signs_ty, signs_v, src_ty, src_v, o_v, x_ty, x_v, xo_v = (
+            sig.args[0], args[0], sig.args[1], args[1], sig.args[2], args[2], args[3], sig.args[4], args[4], args[5])
+        i16 = ir.IntType(16)
+        total = None
+        for step in range(4):  # 64 weights: eight groups, scale bytes 2 step and 2 step + 1
+            g8, m8 = _grid_lookup(context, builder, grid_ty, grid_v, signs_ty, signs_v, src_ty, src_v,
+                                  _at(builder, o_v, 2 + 16 * step), 8)
+            xs = _negate_where(builder, _load(context, builder, x_ty, x_v, _at(builder, xo_v, 64 * step), 64), m8)
+            sb = _load(context, builder, src_ty, src_v, _at(builder, o_v, 66 + 2 * step), 2)
+            nib = builder.and_(builder.lshr(builder.shuffle_vector(sb, sb, _vec_const(32, [0, 0, 1, 1])),
+                                            _vec_const(8, [0, 4, 0, 4])), _vec_const(8, [15] * 4))
+            sc4 = builder.add(builder.shl(builder.zext(nib, ir.VectorType(i16, 4)), _vec_const(16, [1] * 4)),
+                              _vec_const(16, [1] * 4))  # 2 s + 1, one per 16 values
+            if HAS_AVX512BW:
+                part = _madd_scaled(builder, g8, xs, _shuffle(builder, sc4, [k // 8 for k in range(32)]))
+            else:
+                part = None
+                for half in range(2):
+                    lanes = list(range(32 * half, 32 * half + 32))
+                    p = _scaled_products(builder, _shuffle(builder, g8, lanes), _shuffle(builder, sc4, [
+                        2 * half + k // 16 for k in range(32)]), _shuffle(builder, xs, lanes))
+                    part = p if part is None else builder.add(part, p)
+            total = part if total is None else builder.add(total, part)
+        return _reduce_add(builder, total, 16 if HAS_AVX512BW else 32)
+    return types.int32(grid, signs, src, o, x, xo), codegen
 
 
 def _reduce_fadd(builder, vec, n):
@@ -437,7 +465,7 @@ def dequant_q6_half(typingctx, src, ql, qh, sc, d, dst, y):
 
 @intrinsic
 def dequant_grid8x4(typingctx, grid, signs, q, qo, s_lo, s_hi, dst, y):
-    """Four i-quant groups (see idot_grid8x4) into dst[y:y+32]: s_lo * value for groups 0-1, s_hi for 2-3."""
+    """Four i-quant groups (see idot_iq2_xs_block) into dst[y:y+32]: s_lo * value for groups 0-1, s_hi for 2-3."""
     if not (_u64_table(grid) and _u64_table(signs) and _byte_array(q) and _float_array(dst)):
         return None
 

@@ -7,6 +7,7 @@ extension gets wrong.
 
 import numba
 import numpy as np
+import pytest
 
 from strata_async.kernels import ggml_blocks, simd
 
@@ -71,28 +72,63 @@ def test_idot_q6_half(rng):
         assert _q6_half(src, ql, qh, sc, x, xo) == want
 
 
-@numba.njit
-def _grid8x4(grid, signs, q, qo, sc_lo, sc_hi, x, xo):
-    return simd.idot_grid8x4(grid, signs, q, qo, sc_lo, sc_hi, x, xo)
+def _compiled(name):
+    """A new compiled caller of simd.<name>: an intrinsic picks its instructions when a caller compiles, so a
+    test that changes simd.HAS_AVX512BW needs a fresh one."""
+    fn = getattr(simd, name)
+
+    @numba.njit
+    def call(*args):
+        return fn(*args)
+    return call
 
 
-def test_idot_grid8x4(rng):
-    """IQ2_XS's packed groups against gguf's grid and sign tables, decoded here in numpy."""
+@pytest.fixture(params=[True, False], ids=["avx512bw", "portable"])
+def avx512bw(request, monkeypatch):
+    """Both code paths of the 4-bit and i-quant dots (the portable one wherever AVX-512BW is missing)."""
+    if request.param and not simd.HAS_AVX512BW:
+        pytest.skip("this CPU has no AVX-512BW")
+    monkeypatch.setattr(simd, "HAS_AVX512BW", request.param)
+
+
+def test_idot_q4_k_block(rng, avx512bw):
+    """A Q4_K block's scales and mins (6 bits, packed in 12 bytes as ggml's get_scale_min_k4 reads them)."""
+    src, x = _bytes(rng, 400), np.maximum(_bytes(rng, 600).view(np.int8), -127)
+    for o, y in [(3, 0), (201, 257)]:
+        s = [int(v) for v in src[o + 4:o + 16]]
+        sc = [s[j] & 63 if j < 4 else (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4) for j in range(8)]
+        mn = [s[j + 4] & 63 if j < 4 else (s[j + 4] >> 4) | ((s[j] >> 6) << 4) for j in range(8)]
+        q = src[o + 16:o + 144].astype(np.int64)
+        codes = np.concatenate([np.concatenate([q[32 * i:32 * i + 32] & 15, q[32 * i:32 * i + 32] >> 4])
+                                for i in range(4)])
+        xv = x[y:y + 256].astype(np.int64)
+        isc = sum(sc[j] * int(codes[32 * j:32 * j + 32] @ xv[32 * j:32 * j + 32]) for j in range(8))
+        imin = sum(mn[j] * int(xv[32 * j:32 * j + 32].sum()) for j in range(8))
+        xs16 = np.zeros(40, np.int32)
+        xs16[3:19] = xv.reshape(16, 16).sum(axis=1)
+        d, dmin = np.float32(0.375), np.float32(-1.25)
+        want = d * np.float32(isc) - dmin * np.float32(imin)
+        assert _compiled("idot_q4_k_block")(src, o, x, y, xs16, 3, d, dmin) == want
+
+
+def test_idot_iq2_xs_block(rng, avx512bw):
+    """IQ2_XS blocks against gguf's grid and sign tables, decoded here in numpy."""
     from gguf import quants
     from strata_async.kernels import quant, quant_iq  # noqa: F401 - quant first: it loads the formats in order
 
     quants.IQ2_XS.init_grid()
     grid = quants.IQ2_XS.grid.reshape(512, 8).astype(np.int64)
     ksigns = np.frombuffer(quants.IQ2_XXS.ksigns, np.uint8)
-    q = rng.integers(0, 65536, 40, dtype=np.uint16)
-    q[:4] = (0, 511, 65535, 512)
-    qb, x = q.view(np.uint8), _bytes(rng, 100).view(np.int8)
-    for qo, xo, sc_lo, sc_hi in [(0, 0, 1, 31), (8, 13, 17, 3), (62, 60, 31, 31)]:
+    src, x = _bytes(rng, 200), np.maximum(_bytes(rng, 300).view(np.int8), -127)  # ggml's codes: never -128
+    src[3:11] = (0, 0, 255, 1, 255, 255, 0, 2)  # codes 0, 511, 65535, 512 in the first block at o = 1
+    src[67:69] = (0xF0, 0x0F)  # scales 15 and 0 side by side
+    for o, xo in [(1, 0), (100, 41)]:
+        codes = src[o + 2:o + 66].view(np.uint16)
         want = 0
-        for g in range(4):
-            code = int(qb[qo + 2 * g]) | (int(qb[qo + 2 * g + 1]) << 8)
-            sign_bits = int(ksigns[code >> 9])
+        for g in range(32):  # 8-value groups; a scale nibble covers two
+            sc = (int(src[o + 66 + g // 4]) >> (4 * ((g // 2) % 2))) & 15
+            sign_bits = int(ksigns[int(codes[g]) >> 9])
             for j in range(8):
-                v = int(grid[code & 511, j]) * (-1 if (sign_bits >> j) & 1 else 1)
-                want += (sc_lo if g < 2 else sc_hi) * v * int(x[xo + 8 * g + j])
-        assert _grid8x4(quant_iq._IQ2XS_GRID64, quant_iq._KSIGNS64, qb, qo, sc_lo, sc_hi, x, xo) == want
+                v = int(grid[int(codes[g]) & 511, j]) * (-1 if (sign_bits >> j) & 1 else 1)
+                want += (2 * sc + 1) * v * int(x[xo + 8 * g + j])
+        assert _compiled("idot_iq2_xs_block")(quant_iq._IQ2XS_GRID64, quant_iq._KSIGNS64, src, o, x, xo) == want
