@@ -132,6 +132,13 @@ def _madd_scaled(builder, codes, x, scales):
     return _x86(builder, "llvm.x86.avx512.pmaddw.d.512", ir.VectorType(_I32, 16), [pairs, scales])
 
 
+def _madd_runs(builder, codes_a, codes_b, x, scales, first, run):
+    """_madd_scaled of the 64 codes codes_a ++ codes_b (two <32 x u8>) with x <64 x i8>, the runs of `run`
+    values taking scales[first], scales[first + 1], ... (scales: <n x i16>)."""
+    codes = builder.shuffle_vector(codes_a, codes_b, _vec_const(32, range(64)))
+    return _madd_scaled(builder, codes, x, _shuffle(builder, scales, [first + 2 * k // run for k in range(32)]))
+
+
 def _scaled_products(builder, codes, scales16, x, signed=False):
     """(codes * scales) * x over 32 lanes as <32 x i32>: codes <32 x i8> (unsigned unless `signed`), scales
     <32 x i16>, x <32 x i8>. code * scale fits int16 for every format here (6-bit code * int8 scale), so the
@@ -233,10 +240,8 @@ def idot_q4_k_block(typingctx, src, o, xq, y, xs16, g, d, dmin):
             q = _load(context, builder, src_ty, src_v, _at(builder, o_v, 16 + 32 * gi), 32)
             low, high = builder.and_(q, _vec_const(8, [15] * 32)), builder.lshr(q, _vec_const(8, [4] * 32))
             if HAS_AVX512BW:  # sub-blocks 2 gi and 2 gi + 1 (64 contiguous activations) in one zmm
-                codes = builder.shuffle_vector(low, high, _vec_const(32, range(64)))
                 x = _load(context, builder, xq_ty, xq_v, _at(builder, y_v, 64 * gi), 64)
-                scale = _shuffle(builder, sc16, [2 * gi] * 16 + [2 * gi + 1] * 16)
-                part = _madd_scaled(builder, codes, x, scale)
+                part = _madd_runs(builder, low, high, x, sc16, 2 * gi, 32)
                 total = part if total is None else builder.add(total, part)
                 continue
             for half, codes in enumerate((low, high)):
@@ -523,14 +528,21 @@ def idot_q2_k_block(typingctx, src, o, xq, y, xs16, g, d, dmin):
         total = None
         for half in range(2):
             q = _load(context, builder, src_ty, src_v, _at(builder, o_v, 16 + 32 * half), 32)
+            codes = [builder.and_(builder.lshr(q, _vec_const(8, [2 * j] * 32)), _vec_const(8, [3] * 32))
+                     for j in range(4)]
             for j in range(4):
-                codes = builder.and_(builder.lshr(q, _vec_const(8, [2 * j] * 32)), _vec_const(8, [3] * 32))
                 run = 8 * half + 2 * j
-                scale = builder.shuffle_vector(sc16, sc16, _vec_const(32, [run] * 16 + [run + 1] * 16))
-                x = _load(context, builder, xq_ty, xq_v, _at(builder, y_v, 128 * half + 32 * j), 32)
-                part = _scaled_products(builder, codes, scale, x)
+                if HAS_AVX512BW:  # shifts j and j + 1: 64 contiguous activations, four runs, in one zmm
+                    if j % 2:
+                        continue
+                    x = _load(context, builder, xq_ty, xq_v, _at(builder, y_v, 128 * half + 32 * j), 64)
+                    part = _madd_runs(builder, codes[j], codes[j + 1], x, sc16, run, 16)
+                else:
+                    scale = builder.shuffle_vector(sc16, sc16, _vec_const(32, [run] * 16 + [run + 1] * 16))
+                    x = _load(context, builder, xq_ty, xq_v, _at(builder, y_v, 128 * half + 32 * j), 32)
+                    part = _scaled_products(builder, codes[j], scale, x)
                 total = part if total is None else builder.add(total, part)
-        isc = _reduce_add(builder, total, 32)
+        isc = _reduce_add(builder, total, 16 if HAS_AVX512BW else 32)
         sums16 = _load_vec(context, builder, xs_ty, xs_v, g_v, _I32, 16)
         imin = _reduce_add(builder, builder.mul(mins, sums16), 16)
         return _scales_minus_mins(builder, d, isc, dmin, imin)

@@ -111,6 +111,23 @@ def test_idot_q4_k_block(rng, avx512bw):
         assert _compiled("idot_q4_k_block")(src, o, x, y, xs16, 3, d, dmin) == want
 
 
+def test_idot_q2_k_block(rng, avx512bw):
+    """A Q2_K block: 2-bit codes at shifts 0, 2, 4, 6 of two 32-byte groups, a 4-bit scale and min per 16."""
+    src, x = _bytes(rng, 300), np.maximum(_bytes(rng, 600).view(np.int8), -127)
+    for o, y in [(5, 0), (150, 301)]:
+        sb = src[o:o + 16].astype(np.int64)
+        q = src[o + 16:o + 80].astype(np.int64)
+        codes = np.concatenate([(q[32 * h:32 * h + 32] >> (2 * j)) & 3 for h in range(2) for j in range(4)])
+        xv = x[y:y + 256].astype(np.int64)
+        isc = sum(int(sb[r] & 15) * int(codes[16 * r:16 * r + 16] @ xv[16 * r:16 * r + 16]) for r in range(16))
+        imin = sum(int(sb[r] >> 4) * int(xv[16 * r:16 * r + 16].sum()) for r in range(16))
+        xs16 = np.zeros(20, np.int32)
+        xs16[2:18] = xv.reshape(16, 16).sum(axis=1)
+        d, dmin = np.float32(0.625), np.float32(0.125)
+        want = d * np.float32(isc) - dmin * np.float32(imin)
+        assert _compiled("idot_q2_k_block")(src, o, x, y, xs16, 2, d, dmin) == want
+
+
 def test_idot_iq2_xs_block(rng, avx512bw):
     """IQ2_XS blocks against gguf's grid and sign tables, decoded here in numpy."""
     from gguf import quants
