@@ -92,8 +92,7 @@ def idot_q4_k(src, xq, xd, xs16):
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def idot_q6_k(src, xq, xd, xs16):
-    """One Q6_K row times Q8_K activations: per 16-run int8 scale * sum((code - 32) x), per 256 the fp16 d.
-    (xs16, the activations' 16-sums, is not needed: the offset is applied in the vector lanes.)"""
+    """One Q6_K row times Q8_K activations: per 16-run int8 scale * sum((code - 32) x), per 256 the fp16 d."""
     acc = np.float32(0.0)
     for b in range(xq.shape[0] // 256):
         o = b * 210
@@ -101,7 +100,7 @@ def idot_q6_k(src, xq, xd, xs16):
         for half in range(2):
             y = 256 * b + 128 * half
             sc = o + 192 + 8 * half
-            isum += idot_q6_half(src, o + 64 * half, o + 128 + 32 * half, sc, xq, y)
+            isum += idot_q6_half(src, o + 64 * half, o + 128 + 32 * half, sc, xq, y, xs16, 16 * b + 8 * half)
         acc += f16(src, o + 208) * xd[b] * np.float32(isum)
     return acc
 

@@ -149,8 +149,9 @@ def _scaled_products(builder, codes, scales16, x, signed=False):
     return builder.mul(builder.sext(weighted, v32), builder.sext(x, v32))
 
 
-def _q6_half_codes(context, builder, ary_ty, ary, ql, qh, sc):
-    """The four 32-value runs of a Q6_K half as signed (code - 32) <32 x i8>, and its 8 scales as <8 x i16>."""
+def _q6_half_codes(context, builder, ary_ty, ary, ql, qh, sc, offset=True):
+    """The four 32-value runs of a Q6_K half as signed (code - 32) <32 x i8> (offset=False: the unsigned codes),
+    and its 8 scales as <8 x i16>."""
     ql0 = _load(context, builder, ary_ty, ary, ql, 32)
     ql1 = _load(context, builder, ary_ty, ary, _at(builder, ql, 32), 32)
     qhv = _load(context, builder, ary_ty, ary, qh, 32)
@@ -160,29 +161,41 @@ def _q6_half_codes(context, builder, ary_ty, ary, ql, qh, sc):
     codes = []
     for k, low in enumerate(lows):
         high = builder.and_(builder.lshr(qhv, _vec_const(8, [2 * k] * 32)), three)
-        codes.append(builder.sub(builder.or_(low, builder.shl(high, four)), _vec_const(8, [32] * 32)))
+        code = builder.or_(low, builder.shl(high, four))
+        codes.append(builder.sub(code, _vec_const(8, [32] * 32)) if offset else code)
     return codes, scales
 
 
 @intrinsic
-def idot_q6_half(typingctx, src, ql, qh, sc, x, xo):
+def idot_q6_half(typingctx, src, ql, qh, sc, x, xo, xs16, g):
     """One half (128 weights) of a Q6_K block times int8 activations, each 16-run times its int8 scale:
     sum_k sum_i scale[k] * (code_i - 32) * x_i with the 6-bit codes from 64 low-nibble bytes at ql and 32
-    high-bit bytes at qh, the 8 scales at sc; one reduction for all 128."""
-    if not (_byte_array(src) and _byte_array(x)):
+    high-bit bytes at qh, the 8 scales at sc; one reduction for all 128. With AVX-512BW the unsigned codes
+    go through vpmaddubsw/vpmaddwd, 64 per step, and the offset comes off as 32 * sum_k scale[k] * xs16[g + k]
+    (the activations' 16-sums); elsewhere it is taken in the lanes."""
+    if not (_byte_array(src) and _byte_array(x) and _int32_array(xs16)):
         return None
 
     def codegen(context, builder, sig, args):
-        codes, scales = _q6_half_codes(context, builder, sig.args[0], args[0], args[1], args[2], args[3])
+        codes, scales = _q6_half_codes(context, builder, sig.args[0], args[0], args[1], args[2], args[3],
+                                       offset=not HAS_AVX512BW)
+        x_ty, x_v, xo_v = sig.args[4], args[4], args[5]
         total = None
+        if HAS_AVX512BW:
+            for c in range(2):  # runs 2c and 2c + 1: 64 contiguous activations, four scales
+                x64 = _load(context, builder, x_ty, x_v, _at(builder, xo_v, 64 * c), 64)
+                part = _madd_runs(builder, codes[2 * c], codes[2 * c + 1], x64, scales, 4 * c, 16)
+                total = part if total is None else builder.add(total, part)
+            sums = _load_vec(context, builder, sig.args[6], args[6], args[7], _I32, 8)
+            offset = _reduce_add(builder, builder.mul(builder.sext(scales, ir.VectorType(_I32, 8)), sums), 8)
+            return builder.sub(_reduce_add(builder, total, 16), builder.shl(offset, ir.Constant(_I32, 5)))
         for k in range(4):
             sc16 = builder.shuffle_vector(scales, scales, _vec_const(32, [2 * k] * 16 + [2 * k + 1] * 16))
-            xo = _at(builder, args[5], 32 * k)
-            x8 = _load(context, builder, sig.args[4], args[4], xo, 32)
+            x8 = _load(context, builder, x_ty, x_v, _at(builder, xo_v, 32 * k), 32)
             part = _scaled_products(builder, codes[k], sc16, x8, True)
             total = part if total is None else builder.add(total, part)
         return _reduce_add(builder, total, 32)
-    return types.int32(src, ql, qh, sc, x, xo), codegen
+    return types.int32(src, ql, qh, sc, x, xo, xs16, g), codegen
 
 
 def _shuffle(builder, vec, lanes):

@@ -29,6 +29,25 @@ def _bytes(rng, n):
     return b
 
 
+def _compiled(name):
+    """A new compiled caller of simd.<name>: an intrinsic picks its instructions when a caller compiles, so a
+    test that changes simd.HAS_AVX512BW needs a fresh one."""
+    fn = getattr(simd, name)
+
+    @numba.njit
+    def call(*args):
+        return fn(*args)
+    return call
+
+
+@pytest.fixture(params=[True, False], ids=["avx512bw", "portable"])
+def avx512bw(request, monkeypatch):
+    """Both code paths of the 4-bit and i-quant dots (the portable one wherever AVX-512BW is missing)."""
+    if request.param and not simd.HAS_AVX512BW:
+        pytest.skip("this CPU has no AVX-512BW")
+    monkeypatch.setattr(simd, "HAS_AVX512BW", request.param)
+
+
 def test_idot_s8_32(rng):
     a, x = _bytes(rng, 200), _bytes(rng, 200).view(np.int8)
     for ao, xo in [(0, 0), (3, 17), (150, 101), (168, 168)]:
@@ -51,12 +70,7 @@ def test_f16_every_half():
     np.testing.assert_array_equal(np.signbit(out[finite]), np.signbit(want[finite]))
 
 
-@numba.njit
-def _q6_half(src, ql, qh, sc, x, xo):
-    return simd.idot_q6_half(src, ql, qh, sc, x, xo)
-
-
-def test_idot_q6_half(rng):
+def test_idot_q6_half(rng, avx512bw):
     """Against the Q6_K layout written out: value (l, k) of the half takes its low nibble from
     ql[l + 32 (k % 2)] (bits 4 k // 2 ...), its high bits from qh[l] >> 2 k, its scale from sc[2 k + l // 16],
     and is (code - 32) times the scale."""
@@ -69,26 +83,9 @@ def test_idot_q6_half(rng):
                 code = low | (((int(src[qh + l]) >> (2 * k)) & 3) << 4)
                 scale = int(src[sc + 2 * k + l // 16].astype(np.int8))
                 want += scale * (code - 32) * int(x[xo + 32 * k + l])
-        assert _q6_half(src, ql, qh, sc, x, xo) == want
-
-
-def _compiled(name):
-    """A new compiled caller of simd.<name>: an intrinsic picks its instructions when a caller compiles, so a
-    test that changes simd.HAS_AVX512BW needs a fresh one."""
-    fn = getattr(simd, name)
-
-    @numba.njit
-    def call(*args):
-        return fn(*args)
-    return call
-
-
-@pytest.fixture(params=[True, False], ids=["avx512bw", "portable"])
-def avx512bw(request, monkeypatch):
-    """Both code paths of the 4-bit and i-quant dots (the portable one wherever AVX-512BW is missing)."""
-    if request.param and not simd.HAS_AVX512BW:
-        pytest.skip("this CPU has no AVX-512BW")
-    monkeypatch.setattr(simd, "HAS_AVX512BW", request.param)
+        xs16 = np.zeros(30, np.int32)
+        xs16[5:13] = x[xo:xo + 128].astype(np.int64).reshape(8, 16).sum(axis=1)
+        assert _compiled("idot_q6_half")(src, ql, qh, sc, x, xo, xs16, 5) == want
 
 
 def test_idot_q4_k_block(rng, avx512bw):
