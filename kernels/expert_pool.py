@@ -18,7 +18,8 @@ import numba
 import numpy as np
 
 from .quant import _check_weights, _format, quantize_activations, quantize_q8_blocks
-from .quant_dispatch import _FASTMATH, _dot, dequant_row, fused_dot, has_fused_dot, has_int_dot, int_dot
+from .quant_dispatch import (_FASTMATH, _dot, dequant_row, fused_dot, has_fused_dot, has_int_dot, int_dot,
+                             prefetch_row)
 from .quant_dot import block_sums32
 from .quant_int import quantize_q8, sums16
 
@@ -48,6 +49,8 @@ def _swiglu_experts(tg, gate, tu, up, td, down, x, ids, weights, out):
         e = ids[j]
         scratch = np.empty(x.shape[0], np.float32)
         for r in range((task % per_expert) * _ROWS_PER_TASK, min(ffn, (task % per_expert + 1) * _ROWS_PER_TASK)):
+            prefetch_row(gate[e], r)
+            prefetch_row(up[e], r)
             g = _row_dot(tg, gate[e, r], x, xsum32, scratch)
             u = _row_dot(tu, up[e, r], x, xsum32, scratch)
             h[j, r] = g / (np.float32(1.0) + np.exp(-g)) * u * weights[j]
@@ -61,6 +64,7 @@ def _swiglu_experts(tg, gate, tu, up, td, down, x, ids, weights, out):
         for r in range(task * _ROWS_PER_TASK, min(hidden, (task + 1) * _ROWS_PER_TASK)):
             acc = np.float32(0.0)
             for j in range(k):
+                prefetch_row(down[ids[j]], r)
                 acc += _row_dot(td, down[ids[j], r], h[j], hsum32[j], scratch)
             out[r] += acc
 
@@ -83,6 +87,8 @@ def _swiglu_experts_int(tg, gate, tu, up, td, down, x, x_block, h_block, ids, we
         j = task // per_expert
         e = ids[j]
         for r in range((task % per_expert) * _ROWS_PER_TASK, min(ffn, (task % per_expert + 1) * _ROWS_PER_TASK)):
+            prefetch_row(gate[e], r)
+            prefetch_row(up[e], r)
             g = int_dot(tg, gate[e, r], xq, xd, xs)
             u = int_dot(tu, up[e, r], xq, xd, xs)
             h[j, r] = g / (np.float32(1.0) + np.exp(-g)) * u
@@ -97,6 +103,7 @@ def _swiglu_experts_int(tg, gate, tu, up, td, down, x, x_block, h_block, ids, we
         for r in range(task * _ROWS_PER_TASK, min(hidden, (task + 1) * _ROWS_PER_TASK)):
             acc = np.float32(0.0)
             for j in range(k):
+                prefetch_row(down[ids[j]], r)
                 acc += weights[j] * int_dot(td, down[ids[j], r], hq[j], hd[j], hs[j])
             out[r] += acc
 

@@ -584,6 +584,26 @@ def dequant_q2_32(typingctx, src, qs, shift, dl0, ml0, dl1, ml1, dst, y):
 
 
 @intrinsic
+def prefetch(typingctx, src, off, n):
+    """Ask for the cache lines of src[off:off + n] (a byte array; nothing is read or checked): the hardware
+    prefetchers stop at each 4 KiB page, so a row a matrix-vector product reaches next is requested ahead."""
+    if not _byte_array(src):
+        return None
+
+    def codegen(context, builder, sig, args):
+        i8p = _I8.as_pointer()
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
+                                            "llvm.prefetch.p0")
+        data = builder.bitcast(context.make_array(sig.args[0])(context, builder, args[0]).data, i8p)
+        lines = builder.udiv(builder.add(args[2], ir.Constant(args[2].type, 63)), ir.Constant(args[2].type, 64))
+        with cgutils.for_range(builder, lines) as loop:
+            ptr = builder.gep(data, [builder.add(args[1], builder.mul(loop.index, ir.Constant(loop.index.type, 64)))])
+            builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+    return types.none(src, off, n), codegen
+
+
+@intrinsic
 def load_f16(typingctx, src, off):
     """The fp16 value at byte offset `off` of a byte array, as float32 (one vcvtph2ps; only where HAS_F16C)."""
     if not _byte_array(src):
