@@ -87,8 +87,9 @@ def dequant_rows(t, w, out):
 
 
 # Rows ahead whose cache lines a matrix-vector loop requests before it dots the current row. The hardware
-# prefetchers stop at every 4 KiB page, so a stream of rows from RAM stalls at each page start: asking for a
-# row 4 ahead took a 2-thread Q6_K product from 11-12 to 15-16.6 GB/s (bench/README.md).
+# prefetchers stop at every 4 KiB page (the file is mapped in 4 KiB pages), so a stream of rows from RAM
+# stalls at each page start: asking for the row 4 ahead took decode's output head (Q6_K, 255 MB) from
+# ~9.7 to 12-13 GB/s on 2 threads, about what this machine reads at best (bench/README.md).
 PREFETCH_ROWS = 4
 
 
