@@ -8,8 +8,9 @@ straight from the experts' ggml rows in the memory-mapped file (no copy, nothing
 parallel phases in one compiled call: (expert, block of rows) tasks compute gate and up together and
 the SwiGLU product, with w[j] folded in (down is linear); then (expert, block of down rows) tasks, so each
 thread reads whole experts' rows in order (one stream each, as the prefetchers like it, rather than ten
-interleaved), and the calling thread sums the experts' outputs. Calling matvec per projection instead costs 3 parallel regions and
-Python dispatch per expert (30 per layer at top-10), which dominated decode on small models.
+interleaved), and the calling thread sums the experts' outputs. Calling matvec per projection instead
+costs 3 parallel regions and Python dispatch per expert (30 per layer at top-10), which dominated decode
+on small models.
 The shared expert is the same call with one expert and its sigmoid gate as the weight.
 """
 
