@@ -111,3 +111,4 @@ class LoadOptions:
 
     ple_io: str = "direct"  # n-gram PLE table: "direct" (O_DIRECT reads), "mmap" or "ram" (read whole at load)
     ple_cache_rows: int = 4096  # PLE rows kept in RAM after use (LRU); prefetched rows wait there too
+    prefault: bool = True  # fault every weight page the model computes from into the mapping at load

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from strata_async.io import GGUFFile, open_gguf
+from strata_async.io import GGUFFile, open_gguf, prefault
 
 from .archs import ArchModel, model_class
 from .config import LoadOptions, ModelConfig
@@ -111,7 +111,11 @@ def load_runtime(path: str | os.PathLike[str], *, threads: int | None = None, qu
         if not isinstance(arch, str):
             raise ValueError(f"{gguf.path}: GGUF metadata has no general.architecture; not a model file")
         device = HostDevice(threads=threads, quantized_activations=quantized_activations)
-        model = model_class(arch)(WeightStore(gguf), device, options or LoadOptions())
+        options = options or LoadOptions()
+        store = WeightStore(gguf)
+        model = model_class(arch)(store, device, options)
+        if options.prefault:
+            prefault(gguf.tensors[name] for name in dict.fromkeys(store.handed_out))
         limit = model.config.context_length
         if max_context is None:
             max_context = limit

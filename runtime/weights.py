@@ -63,6 +63,7 @@ class WeightStore:
     def __init__(self, gguf: GGUFFile):
         self.gguf = gguf
         self._supported = set(quant.supported_types())
+        self.handed_out: list[str] = []  # names of the tensors the model computes from, in order
 
     def has(self, name: str) -> bool:
         return name in self.gguf.tensors
@@ -88,6 +89,7 @@ class WeightStore:
                 f"{info.ggml_type}), which has no kernel; supported types: "
                 + ", ".join(type_name(t) for t in sorted(self._supported)))
         data = info.data.reshape(*shape[:-1], info.row_bytes)
+        self.handed_out.append(name)
         return QTensor(name, int(info.ggml_type), shape, data)
 
     def vector(self, name: str, length: int) -> np.ndarray:

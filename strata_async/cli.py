@@ -72,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
                                                      "(default: the model's context length)")
     run.add_argument("--json", action="store_true",
                      help="print one JSON object (text, token_ids, finish_reason, timings) instead of streaming")
-    add_ple_options(run)
+    add_load_options(run)
 
     inspect = commands.add_parser(
         "inspect", help="show a model's architecture, sizes and where each part would be placed",
@@ -96,8 +96,13 @@ def _parser() -> argparse.ArgumentParser:
 PLE_IO_MODES = ("direct", "mmap", "ram")
 
 
-def add_ple_options(parser: argparse.ArgumentParser) -> None:
-    """--ple-io and --ple-cache-rows: how a model's n-gram PLE table (qwen4exp) is read; others ignore them."""
+def add_load_options(parser: argparse.ArgumentParser) -> None:
+    """--lazy-weights, and --ple-io / --ple-cache-rows: how a model's n-gram PLE table (qwen4exp) is read
+    (other models ignore those two)."""
+    parser.add_argument("--lazy-weights", action="store_true",
+                        help="map the weights without faulting their pages in at load: a faster start, but "
+                             "the first use of each page (each expert's first tokens) pays a page fault, or a "
+                             "drive read when the page cache lacks it (default: fault them all in at load)")
     parser.add_argument("--ple-io", choices=PLE_IO_MODES, default="direct",
                         help="n-gram PLE table (qwen4exp): 'direct' reads its rows from the drive with O_DIRECT, "
                              "so the table never fills RAM or the page cache (buffered where the filesystem refuses "
@@ -108,10 +113,10 @@ def add_ple_options(parser: argparse.ArgumentParser) -> None:
                              "read ahead wait there too (default 4096)")
 
 
-def ple_load_options(args: argparse.Namespace) -> dict[str, Any]:
+def load_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.ple_cache_rows < 1:
         raise ValueError(f"--ple-cache-rows must be at least 1, got {args.ple_cache_rows}")
-    return {"ple_io": args.ple_io, "ple_cache_rows": args.ple_cache_rows}
+    return {"ple_io": args.ple_io, "ple_cache_rows": args.ple_cache_rows, "prefault": not args.lazy_weights}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -135,12 +140,12 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError("the prompt is empty: give some text with --prompt")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                               repetition_penalty=args.repetition_penalty, seed=args.seed)
-    ple = ple_load_options(args)
+    options = load_options(args)
     path = _model_path(args.model)
     _note_first_compile()
     _note(f"loading {path} ({_size_of(path)}) ...")
     started = time.perf_counter()
-    model = load(path, threads=args.threads, max_context=args.max_context, **ple)
+    model = load(path, threads=args.threads, max_context=args.max_context, **options)
     with model:
         _note(f"loaded {model.name} in {time.perf_counter() - started:.1f} s")
         prompt = model.chat_prompt(args.prompt) if args.chat else args.prompt

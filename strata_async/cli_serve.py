@@ -25,7 +25,7 @@ MIB = 1 << 20
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
     """Add serve, chat and complete to the `strata-async` parser's subcommands."""
-    from .cli import add_ple_options
+    from .cli import add_load_options
 
     serve = commands.add_parser(
         "serve", help="serve a model over WebSockets",
@@ -55,7 +55,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("-t", "--threads", type=int, help="CPU threads (default: all)")
     serve.add_argument("--max-context", type=int, help="most tokens a sequence may hold (default: the model's)")
     serve.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per forward step (default 256)")
-    add_ple_options(serve)
+    add_load_options(serve)
 
     chat = commands.add_parser("chat", help="chat with a running server in the terminal",
                                description="Chat with a strata-async server: type a message, Enter sends it; "
@@ -114,7 +114,7 @@ def _run(main: Coroutine) -> Any:
 # ---- serve ----------------------------------------------------------------------------------------
 
 def _serve(args: argparse.Namespace) -> int:
-    from .cli import _model_path, _note, _note_first_compile, ple_load_options
+    from .cli import _model_path, _note, _note_first_compile, load_options
     from .engine import EngineConfig
     from .server import ServerConfig
 
@@ -137,7 +137,7 @@ def _serve(args: argparse.Namespace) -> int:
         from .model import load
 
         return load(path, threads=args.threads, max_context=args.max_context, prefill_chunk=args.prefill_chunk,
-                    **ple_load_options(args))
+                    **load_options(args))
 
     return _run(_serve_until_stopped(load_model, config))
 

@@ -115,7 +115,7 @@ def test_bad_options(home):
 @pytest.mark.slow
 def test_ple_table_options_on_a_qwen4exp_file(home, qwen4exp_f32_gguf):
     """inspect names the n-gram table's size and tier for each --ple-io; run gives the same greedy tokens
-    whichever tier serves the table, and reports the table's counters."""
+    whichever tier serves the table (and with the weights mapped lazily), and reports the table's counters."""
     for mode, tier in (("direct", "NVMe (O_DIRECT)"), ("mmap", "NVMe (mmap)"), ("ram", "host RAM")):
         proc = cli(home, "inspect", str(qwen4exp_f32_gguf), "--ple-io", mode)
         assert proc.returncode == 0, proc.stderr
@@ -126,7 +126,7 @@ def test_ple_table_options_on_a_qwen4exp_file(home, qwen4exp_f32_gguf):
     runs = {}
     for mode in ("direct", "ram"):
         proc = cli(home, "run", str(qwen4exp_f32_gguf), "-p", "one two three", "-n", "6", "--temperature", "0",
-                   "--ple-io", mode, "--ple-cache-rows", "8")
+                   "--ple-io", mode, "--ple-cache-rows", "8", *(["--lazy-weights"] if mode == "ram" else []))
         assert proc.returncode == 0, proc.stderr
         assert f"n-gram table ({mode}):" in proc.stderr
         runs[mode] = proc.stdout

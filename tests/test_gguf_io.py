@@ -463,3 +463,61 @@ def test_writer_inferred_types(tmp_path):
     assert types == {"u32": V.UINT32, "i64": V.INT64, "neg": V.INT64, "f": V.FLOAT32, "b": V.BOOL, "s": V.STRING,
                      "ints": V.INT32, "bigints": V.INT64, "i64arr": V.INT64, "floats": V.FLOAT32, "bools": V.BOOL,
                      "strs": V.STRING, "explicit": V.STRING, "u8s": V.UINT8}
+
+
+def _resident_bytes_of(path: Path) -> int:
+    """Bytes of `path` mapped into this process and resident in its page tables (Linux /proc/self/smaps)."""
+    total, current = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's header line
+            current = line.rstrip().endswith(str(path))
+        elif current and line.startswith("Rss:"):
+            total += int(fields[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc/self/smaps")
+@pytest.mark.parametrize("madvise", [True, False], ids=["madvise", "touch"])
+def test_prefault_maps_the_tensor_pages(tmp_path, monkeypatch, madvise):
+    """prefault maps the pages of the tensors it is given into the file's mapping, and only those: with
+    MADV_POPULATE_READ, and where the kernel lacks it (the call fails), by reading one byte per page."""
+    from strata_async.io import gguf_reader, prefault
+
+    if not madvise:
+        monkeypatch.setattr(gguf_reader, "_MADV_POPULATE_READ", -1)  # EINVAL, as on a kernel before 5.14
+    path = tmp_path / "model.gguf"
+    mib = 1 << 20
+    tensors = [(name, Q.F32, (mib,), np.ones(mib, np.float32)) for name in ("wanted", "left")]  # 4 MiB each
+    write_gguf(path, {"general.architecture": "roundtrip"}, tensors)
+    with open_gguf(path) as f:
+        before = _resident_bytes_of(path)
+        seen = []
+        prefault([f.tensors["wanted"]], progress=lambda done, total: seen.append((done, total)))
+        grown = _resident_bytes_of(path) - before
+        assert 4 * mib <= grown < 6 * mib  # the tensor's pages (fault-around may add a few neighbours)
+        assert seen == [(4 * mib, 4 * mib)]
+        assert f.tensors["left"].data.view(np.float32).sum() == mib  # the data reads back unchanged
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc/self/smaps")
+def test_load_prefaults_the_weights_unless_lazy(qwen3moe_f32_gguf):
+    """load_runtime maps in every page the model computes from (LoadOptions.prefault, the default);
+    prefault=False leaves them to fault on first use."""
+    import gc
+
+    from strata_async.runtime import LoadOptions, load_runtime
+
+    path = Path(qwen3moe_f32_gguf)
+    lazy = load_runtime(path, options=LoadOptions(prefault=False))
+    lazy_resident = _resident_bytes_of(path)
+    weights = sum(info.data.nbytes for info in lazy.gguf.tensors.values())
+    lazy.close()
+    del lazy
+    gc.collect()
+    eager = load_runtime(path)
+    try:
+        assert _resident_bytes_of(path) >= 0.95 * weights
+        assert lazy_resident < 0.5 * weights
+    finally:
+        eager.close()
