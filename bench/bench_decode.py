@@ -87,7 +87,7 @@ def bytes_per_token(path: str) -> dict[str, int]:
 def touch_pages(path: str) -> None:
     """Read one byte of every 4 KiB page of the file's tensors through a mapping of our own, so the kernel's
     page cache holds the whole file (as after a while of serving) and first-touch disk reads stay out of
-    the timings. (Each mapping still takes minor faults on first touch; the warm-up decode covers some.)"""
+    the timings. (strata-async then maps its pages in at load, llama.cpp too: MAP_POPULATE.)"""
     with open_gguf(path) as f:
         for t in f.tensors.values():
             int(np.asarray(t.data).reshape(-1)[::4096].sum())
