@@ -46,8 +46,8 @@ assert _KSIGNS.shape == (128,)
 # +1 / -1 for bit j of a sign byte: applying signs by multiplication keeps the 8-value loops branch-free
 # (vectorizable) instead of a select per value.
 _SIGN8 = np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, -1.0, 1.0).astype(np.float32)
-# The same tables for the integer dot (kernels/simd.idot_iq2_xs_block): IQ2_XS grid points as 8 bytes in a uint64,
-# and each sign index's 8 signs as 0xFF (negative) / 0x00 bytes.
+# The same tables as vector lanes (kernels/simd): IQ2_XS grid points as 8 bytes in a uint64 (the integer dot and
+# the decoder), and each sign index's 8 signs as 0xFF (negative) / 0x00 bytes (the decoder; the dot computes them).
 _IQ2XS_GRID64 = np.ascontiguousarray(_IQ2XS_GRID.astype(np.uint8)).view(np.uint64).reshape(-1)
 _KSIGNS64 = np.ascontiguousarray(np.where(_SIGN8[_KSIGNS] < 0, 0xFF, 0).astype(np.uint8)).view(np.uint64).reshape(-1)
 
@@ -245,6 +245,6 @@ def idot_iq2_xs(src, xq, xd):
     acc = np.float32(0.0)
     for b in range(xq.shape[0] // _QK):
         o = b * 74
-        isum = idot_iq2_xs_block(_IQ2XS_GRID64, _KSIGNS64, src, o, xq, b * _QK)
+        isum = idot_iq2_xs_block(_IQ2XS_GRID64, src, o, xq, b * _QK)
         acc += f16(src, o) * xd[b] * np.float32(isum)
     return acc * np.float32(0.125)

@@ -280,11 +280,13 @@ def _u64_table(ty) -> bool:
 
 def _grid_lookup(context, builder, grid_ty, grid, signs_ty, signs, q_ty, q, qo, n):
     """The values of n i-quant groups whose uint16 codes start at byte qo of q: each group's 8 grid bytes
-    (magnitudes) and 8 sign-mask bytes (0xFF where negative), as two <8 n x i8>."""
+    (magnitudes) and 8 sign-mask bytes (0xFF where negative), as two <8 n x i8>; the masks from the signs
+    table, or computed where it is None."""
+    computed_signs = signs_ty is None
     i16, i64 = ir.IntType(16), ir.IntType(64)
     codes = _load_vec(context, builder, q_ty, q, qo, i16, n)
     grid_data = context.make_array(grid_ty)(context, builder, grid).data
-    signs_data = context.make_array(signs_ty)(context, builder, signs).data
+    signs_data = None if computed_signs else context.make_array(signs_ty)(context, builder, signs).data
     g = ir.Constant(ir.VectorType(i64, n), ir.Undefined)
     m = ir.Constant(ir.VectorType(i64, n), ir.Undefined)
     for lane in range(n):
@@ -292,9 +294,27 @@ def _grid_lookup(context, builder, grid_ty, grid, signs_ty, signs, q_ty, q, qo, 
         point = builder.and_(code, ir.Constant(i64, 511))
         sign = builder.lshr(code, ir.Constant(i64, 9))
         g = builder.insert_element(g, builder.load(builder.gep(grid_data, [point])), ir.Constant(_I32, lane))
-        m = builder.insert_element(m, builder.load(builder.gep(signs_data, [sign])), ir.Constant(_I32, lane))
+        if not computed_signs:
+            m = builder.insert_element(m, builder.load(builder.gep(signs_data, [sign])), ir.Constant(_I32, lane))
     v8 = ir.VectorType(_I8, 8 * n)
+    if computed_signs:
+        return builder.bitcast(g, v8), _sign_masks(builder, codes, n)
     return builder.bitcast(g, v8), builder.bitcast(m, v8)
+
+
+def _sign_masks(builder, codes, n):
+    """The sign-mask bytes (0xFF where negative) of n i-quant groups from their uint16 codes <n x i16>, computed:
+    the high 7 bits are the signs of values 0-6 and value 7's sign makes the count even (ggml's ksigns)."""
+    i16 = ir.IntType(16)
+    vn = ir.VectorType(i16, n)
+    s7 = builder.lshr(codes, _vec_const(16, [9] * n))
+    ctpop = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vn, [vn]), f"llvm.ctpop.v{n}i16")
+    parity = builder.and_(builder.call(ctpop, [s7]), _vec_const(16, [1] * n))
+    s8 = builder.trunc(builder.or_(s7, builder.shl(parity, _vec_const(16, [7] * n))), ir.VectorType(_I8, n))
+    spread = builder.shuffle_vector(s8, s8, _vec_const(32, [j // 8 for j in range(8 * n)]))
+    bits = builder.and_(spread, _vec_const(8, [1 << (j % 8) if j % 8 < 7 else -128 for j in range(8 * n)]))
+    zero = ir.Constant(ir.VectorType(_I8, 8 * n), [0] * (8 * n))
+    return builder.sext(builder.icmp_unsigned("!=", bits, zero), ir.VectorType(_I8, 8 * n))
 
 
 def _negate_where(builder, v, mask):
@@ -309,23 +329,23 @@ def _grid_values(context, builder, grid_ty, grid, signs_ty, signs, q_ty, q, qo):
 
 
 @intrinsic
-def idot_iq2_xs_block(typingctx, grid, signs, src, o, x, xo):
+def idot_iq2_xs_block(typingctx, grid, src, o, x, xo):
     """The integer sum of one IQ2_XS block (74 bytes at src[o]) times 256 int8 x[xo:]: per 16 values
     (2 * 4-bit scale + 1) * (signed grid values . x). Each group's uint16 (from o + 2) holds a grid point
     (low 9 bits) and a sign index (high 7 bits); the point's 8 byte magnitudes come from grid (uint64
-    [points]), its signs from signs (uint64 [128], 0xFF bytes where negative) and go onto x instead, so the
-    magnitudes stay unsigned for vpmaddubsw (AVX-512BW; else vpmaddwd): x must lie in [-127, 127], as
-    ggml's activation codes do (-128 has no negation). One reduction per block."""
-    if not (_u64_table(grid) and _u64_table(signs) and _byte_array(src) and _byte_array(x)):
+    [points]), its signs are computed from the index (_sign_masks: no second table look-up) and go onto x
+    instead, so the magnitudes stay unsigned for vpmaddubsw (AVX-512BW; else vpmaddwd): x must lie in
+    [-127, 127], as ggml's activation codes do (-128 has no negation). One reduction per block."""
+    if not (_u64_table(grid) and _byte_array(src) and _byte_array(x)):
         return None
 
     def codegen(context, builder, sig, args):
-        grid_ty, grid_v, signs_ty, signs_v, src_ty, src_v, o_v, x_ty, x_v, xo_v = (
-            sig.args[0], args[0], sig.args[1], args[1], sig.args[2], args[2], args[3], sig.args[4], args[4], args[5])
+        grid_ty, grid_v, src_ty, src_v, o_v, x_ty, x_v, xo_v = (
+            sig.args[0], args[0], sig.args[1], args[1], args[2], sig.args[3], args[3], args[4])
         i16 = ir.IntType(16)
         total = None
         for step in range(4):  # 64 weights: eight groups, scale bytes 2 step and 2 step + 1
-            g8, m8 = _grid_lookup(context, builder, grid_ty, grid_v, signs_ty, signs_v, src_ty, src_v,
+            g8, m8 = _grid_lookup(context, builder, grid_ty, grid_v, None, None, src_ty, src_v,
                                   _at(builder, o_v, 2 + 16 * step), 8)
             xs = _negate_where(builder, _load(context, builder, x_ty, x_v, _at(builder, xo_v, 64 * step), 64), m8)
             sb = _load(context, builder, src_ty, src_v, _at(builder, o_v, 66 + 2 * step), 2)
@@ -344,7 +364,7 @@ def idot_iq2_xs_block(typingctx, grid, signs, src, o, x, xo):
                     part = p if part is None else builder.add(part, p)
             total = part if total is None else builder.add(total, part)
         return _reduce_add(builder, total, 16 if HAS_AVX512BW else 32)
-    return types.int32(grid, signs, src, o, x, xo), codegen
+    return types.int32(grid, src, o, x, xo), codegen
 
 
 def _reduce_fadd(builder, vec, n):

@@ -145,4 +145,4 @@ def test_idot_iq2_xs_block(rng, avx512bw):
             for j in range(8):
                 v = int(grid[int(codes[g]) & 511, j]) * (-1 if (sign_bits >> j) & 1 else 1)
                 want += (2 * sc + 1) * v * int(x[xo + 8 * g + j])
-        assert _compiled("idot_iq2_xs_block")(quant_iq._IQ2XS_GRID64, quant_iq._KSIGNS64, src, o, x, xo) == want
+        assert _compiled("idot_iq2_xs_block")(quant_iq._IQ2XS_GRID64, src, o, x, xo) == want
