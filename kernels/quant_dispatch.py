@@ -14,7 +14,7 @@ from .quant_iq import (IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, deq
 from .quant_k import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, dequant_q2_k, dequant_q3_k, dequant_q4_k, dequant_q5_k, dequant_q6_k
 from .quant_legacy import Q2_0, Q4_0, Q4_1, Q5_0, Q5_1, dequant_q2_0, dequant_q4_0, dequant_q4_1, dequant_q5_0, dequant_q5_1
 from .quant_dot import block_sums32, dot_q4_k, dot_q6_k, dot_q8_0
-from .quant_int import idot_q2_k, idot_q4_k, idot_q6_k, idot_q8_0
+from .quant_int import idot_q2_0, idot_q2_k, idot_q4_k, idot_q6_k, idot_q8_0
 from .simd import fdot_f32_64, prefetch
 from .quant_nl import IQ4_NL, IQ4_XS, MXFP4, dequant_iq4_nl, dequant_iq4_xs, dequant_mxfp4
 from .quant_q8 import Q8_0, dequant_q8_0
@@ -188,7 +188,7 @@ def matmul_rows(t, w, x, out):
 @numba.njit(nogil=True)
 def has_int_dot(t):
     """Types with an integer dot product against ggml-quantized activations (quant_int)."""
-    return t == Q8_0 or t == Q4_K or t == Q6_K or t == IQ2_XS or t == Q2_K
+    return t == Q8_0 or t == Q4_K or t == Q6_K or t == IQ2_XS or t == Q2_K or t == Q2_0
 
 
 @numba.njit(inline="always", nogil=True)
@@ -203,6 +203,8 @@ def int_dot(t, src, xq, xd, xs16):
         return idot_iq2_xs(src, xq, xd)
     if t == Q2_K:
         return idot_q2_k(src, xq, xd, xs16)
+    if t == Q2_0:
+        return idot_q2_0(src, xq, xd, xs16)
     return idot_q8_0(src, xq, xd)
 
 

@@ -15,7 +15,7 @@ import numba
 import numpy as np
 
 from .ggml_blocks import f16, round_to_half
-from .simd import idot_q2_k_block, idot_q4_k_block, idot_q6_half, idot_s8_32
+from .simd import idot_q2_0_block, idot_q2_k_block, idot_q4_k_block, idot_q6_half, idot_s8_32
 
 _FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 
@@ -113,4 +113,16 @@ def idot_q2_k(src, xq, xd, xs16):
     for b in range(xq.shape[0] // 256):
         o = b * 84
         acc += xd[b] * idot_q2_k_block(src, o, xq, 256 * b, xs16, 16 * b, f16(src, o + 80), f16(src, o + 82))
+    return acc
+
+
+@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def idot_q2_0(src, xq, xd, xs16):
+    """One Q2_0 row (per 64 values: fp16 d, 2-bit codes, value (code - 1) d) times Q8_0 activations (two
+    activation blocks per weight block): d * (xd[2b] * isum_lo + xd[2b + 1] * isum_hi)."""
+    acc = np.float32(0.0)
+    for b in range(xq.shape[0] // 64):
+        o = b * 18
+        lo, hi = idot_q2_0_block(src, o, xq, 64 * b, xs16, 4 * b)
+        acc += f16(src, o) * (xd[2 * b] * np.float32(lo) + xd[2 * b + 1] * np.float32(hi))
     return acc

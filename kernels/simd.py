@@ -329,6 +329,50 @@ def _grid_values(context, builder, grid_ty, grid, signs_ty, signs, q_ty, q, qo):
 
 
 @intrinsic
+def idot_q2_0_block(typingctx, src, o, x, xo, xs16, g):
+    """The two 32-value halves of one Q2_0 block (18 bytes at src[o]: fp16 d, then 2-bit codes, weight j at
+    bits 2 (j % 4) of byte j // 4) times int8 x[xo:xo + 64]: (sum (code - 1) x over values 0-31, the same over
+    32-63), the -1 taken off against the activations' 16-sums xs16[g:g + 4]. With AVX-512BW each byte is
+    spread to four lanes and masked to one code in place (code * 4^s), so vpmaddubsw multiplies, an exact
+    shift takes the 4^s off and vpmaddwd adds; elsewhere plain vector products."""
+    if not (_byte_array(src) and _byte_array(x) and _int32_array(xs16)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        src_ty, src_v, o_v, x_ty, x_v, xo_v, xs_ty, xs_v, g_v = (
+            sig.args[0], args[0], args[1], sig.args[2], args[2], args[3], sig.args[4], args[4], args[5])
+        v64i32 = ir.VectorType(_I32, 64)
+        qs = _load(context, builder, src_ty, src_v, _at(builder, o_v, 2), 16)
+        spread = builder.shuffle_vector(qs, qs, _vec_const(32, [j // 4 for j in range(64)]))
+        x64 = _load(context, builder, x_ty, x_v, xo_v, 64)
+        if HAS_AVX512BW:
+            v32i16 = ir.VectorType(ir.IntType(16), 32)
+            total = None
+            for s in range(4):
+                masked = builder.and_(spread, _vec_const(8, [(3 << 2 * s if s < 3 else -64) if j % 4 == s else 0
+                                                             for j in range(64)]))
+                pairs = _x86(builder, "llvm.x86.avx512.pmaddubs.w.512", v32i16, [masked, x64])
+                part = builder.ashr(pairs, _vec_const(16, [2 * s] * 32))
+                total = part if total is None else builder.add(total, part)
+            lanes = _x86(builder, "llvm.x86.avx512.pmaddw.d.512", ir.VectorType(_I32, 16),
+                         [total, _vec_const(16, [1] * 32)])
+            halves = [_shuffle(builder, lanes, list(range(8 * h, 8 * h + 8))) for h in range(2)]
+            sums = [_reduce_add(builder, v, 8) for v in halves]
+        else:
+            codes = builder.and_(builder.lshr(spread, _vec_const(8, [2 * (j % 4) for j in range(64)])),
+                                 _vec_const(8, [3] * 64))
+            prod = builder.mul(builder.zext(codes, v64i32), builder.sext(x64, v64i32))
+            sums = [_reduce_add(builder, _shuffle(builder, prod, list(range(32 * h, 32 * h + 32))), 32)
+                    for h in range(2)]
+        xs = _load_vec(context, builder, xs_ty, xs_v, g_v, _I32, 4)
+        offsets = [builder.add(builder.extract_element(xs, ir.Constant(_I32, 2 * h)),
+                               builder.extract_element(xs, ir.Constant(_I32, 2 * h + 1))) for h in range(2)]
+        return context.make_tuple(builder, sig.return_type,
+                                  [builder.sub(sums[h], offsets[h]) for h in range(2)])
+    return types.UniTuple(types.int32, 2)(src, o, x, xo, xs16, g), codegen
+
+
+@intrinsic
 def idot_iq2_xs_block(typingctx, grid, src, o, x, xo):
     """The integer sum of one IQ2_XS block (74 bytes at src[o]) times 256 int8 x[xo:]: per 16 values
     (2 * 4-bit scale + 1) * (signed grid values . x). Each group's uint16 (from o + 2) holds a grid point

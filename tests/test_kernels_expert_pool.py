@@ -97,7 +97,7 @@ def _rounded_expert_ref(x, g64, u64, d64, tg, td):
     g, u = g64 @ xr, u64 @ xr
     h = g / (1 + np.exp(-g)) * u
     hr = quant.quantize_activations(h.astype(np.float32), int(td)).astype(np.float64)
-    block = 32 if td == Q.Q8_0 else 256
+    block = quant._format(int(td)).act_block
     step = np.repeat(np.abs(h).reshape(-1, block).max(axis=1) / 127, block)
     return d64 @ hr, np.abs(d64) @ (step + TOL * (np.abs(hr) + 1))
 

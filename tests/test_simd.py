@@ -125,6 +125,18 @@ def test_idot_q2_k_block(rng, avx512bw):
         assert _compiled("idot_q2_k_block")(src, o, x, y, xs16, 2, d, dmin) == want
 
 
+def test_idot_q2_0_block(rng, avx512bw):
+    """A Q2_0 block: weight j's 2-bit code at bits 2 (j % 4) of byte j // 4, value code - 1, two 32-halves."""
+    src, x = _bytes(rng, 100), np.maximum(_bytes(rng, 300).view(np.int8), -127)
+    for o, xo in [(0, 0), (41, 77)]:
+        codes = np.array([(int(src[o + 2 + j // 4]) >> (2 * (j % 4))) & 3 for j in range(64)], np.int64)
+        xv = x[xo:xo + 64].astype(np.int64)
+        want = tuple(int((codes[32 * h:32 * h + 32] - 1) @ xv[32 * h:32 * h + 32]) for h in range(2))
+        xs16 = np.zeros(10, np.int32)
+        xs16[3:7] = xv.reshape(4, 16).sum(axis=1)
+        assert _compiled("idot_q2_0_block")(src, o, x, xo, xs16, 3) == want
+
+
 def test_idot_iq2_xs_block(rng, avx512bw):
     """IQ2_XS blocks against gguf's grid and sign tables, decoded here in numpy."""
     from gguf import quants
