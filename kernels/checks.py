@@ -10,6 +10,10 @@ def require_array(name: str, a: object, shape: tuple[int | None, ...], dtype: ty
                   writable: bool = False) -> np.ndarray:
     """Check that ``a`` is a C-contiguous ndarray of ``dtype`` whose shape matches ``shape``
     (``None`` entries match any size) and return it; raise ValueError naming what is wrong."""
+    if (isinstance(a, np.ndarray) and a.dtype == dtype and a.ndim == len(shape) and a.flags.c_contiguous
+            and (a.flags.writeable or not writable)
+            and all(s is None or s == got for s, got in zip(shape, a.shape))):
+        return a  # the common case, checked before any message is built (kernels check every call)
     expected = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
     if not isinstance(a, np.ndarray):
         raise ValueError(f"{name} must be a numpy array of shape {expected}, got {type(a).__name__}")
