@@ -12,7 +12,7 @@ Measures, all with the same thread count:
 - strata-async decode tokens/s (median over single-token steps after a short prompt) and prefill
   tokens/s on a --prompt-token prompt (median of --prefill-repeats), twice: with float32 activations (the
   reference numerics, the default) and with activations rounded to int8 blocks as ggml does
-  (quantized_activations=True: integer dots for Q8_0 / Q4_K / Q6_K / Q2_K / IQ2_XS weights);
+  (quantized_activations=True: integer dots for Q8_0 / Q4_K / Q6_K / Q2_K / IQ2_XS / Q2_0 weights);
 - llama.cpp (llama-cpp-python) on the same file and threads when it is installed, alternating with
   strata-async repeat by repeat, and the ratio.
 Results: bench/results/decode_<tag>.json and .md.
