@@ -14,9 +14,9 @@ import math
 import mmap
 import os
 import struct
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np

@@ -7,6 +7,7 @@ the ones llama.cpp's converter writes (``{arch}.block_count``, ``{arch}.attentio
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,3 +113,4 @@ class LoadOptions:
     ple_io: str = "direct"  # n-gram PLE table: "direct" (O_DIRECT reads), "mmap" or "ram" (read whole at load)
     ple_cache_rows: int = 4096  # PLE rows kept in RAM after use (LRU); prefetched rows wait there too
     prefault: bool = True  # fault every weight page the model computes from into the mapping at load
+    progress: Callable[[int, int], None] | None = None  # progress(done, total bytes) while prefaulting

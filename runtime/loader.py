@@ -115,7 +115,7 @@ def load_runtime(path: str | os.PathLike[str], *, threads: int | None = None, qu
         store = WeightStore(gguf)
         model = model_class(arch)(store, device, options)
         if options.prefault:
-            prefault(gguf.tensors[name] for name in dict.fromkeys(store.handed_out))
+            prefault((gguf.tensors[name] for name in dict.fromkeys(store.handed_out)), options.progress)
         limit = model.config.context_length
         if max_context is None:
             max_context = limit

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -116,7 +116,20 @@ def add_load_options(parser: argparse.ArgumentParser) -> None:
 def load_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.ple_cache_rows < 1:
         raise ValueError(f"--ple-cache-rows must be at least 1, got {args.ple_cache_rows}")
-    return {"ple_io": args.ple_io, "ple_cache_rows": args.ple_cache_rows, "prefault": not args.lazy_weights}
+    return {"ple_io": args.ple_io, "ple_cache_rows": args.ple_cache_rows, "prefault": not args.lazy_weights,
+            "load_progress": _mapping_progress()}
+
+
+def _mapping_progress() -> Callable[[int, int], None]:
+    """A load_progress callback: a note at every tenth of the weights mapped in, for loads of 1 GiB or more."""
+    shown = [0]
+
+    def note(done: int, total: int) -> None:
+        tenth = done * 10 // total if total >= 1 << 30 else 0
+        if tenth > shown[0]:
+            shown[0] = tenth
+            _note(f"mapping the weights in: {10 * tenth}% ({done / 1e9:.1f} of {total / 1e9:.1f} GB)")
+    return note
 
 
 # ---------------------------------------------------------------------------------------------------------------

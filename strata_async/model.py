@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +19,8 @@ __all__ = ["Model", "load"]
 
 def load(path: str | os.PathLike[str] | None = None, *, threads: int | None = None,
          quantized_activations: bool = False, prefill_chunk: int = 256, max_context: int | None = None,
-         ple_io: str = "direct", ple_cache_rows: int = 4096, prefault: bool = True) -> Model:
+         ple_io: str = "direct", ple_cache_rows: int = 4096, prefault: bool = True,
+         load_progress: Callable[[int, int], None] | None = None) -> Model:
     """Open a GGUF model for CPU inference.
 
     path: the .gguf file (any shard of a split model); None loads the embedded default model, a small
@@ -31,13 +32,15 @@ def load(path: str | os.PathLike[str] | None = None, *, threads: int | None = No
     "direct" (O_DIRECT from the drive: the table never fills RAM or the page cache), "mmap" or "ram"
     (the whole table read into memory at load), and how many recently used rows stay in RAM.
     prefault: map every weight page in at load (reading what the page cache lacks); False leaves each page
-    to fault on first use (a faster start, slower first tokens per expert).
+    to fault on first use (a faster start, slower first tokens per expert); load_progress(done, total bytes)
+    is called as the pages go in.
     """
     is_default = path is None
     path = default_model_path() if path is None else Path(path)
     runtime = load_runtime(path, threads=threads, quantized_activations=quantized_activations,
                            prefill_chunk=prefill_chunk, max_context=max_context,
-                           options=LoadOptions(ple_io=ple_io, ple_cache_rows=ple_cache_rows, prefault=prefault))
+                           options=LoadOptions(ple_io=ple_io, ple_cache_rows=ple_cache_rows, prefault=prefault,
+                                               progress=load_progress))
     try:
         tokenizer = Tokenizer.from_gguf(runtime.gguf)
     except BaseException:

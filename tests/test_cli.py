@@ -141,3 +141,17 @@ def test_ple_io_choices_are_the_row_source_modes():
     from strata_async.runtime.placement import NGRAM_TIERS
 
     assert PLE_IO_MODES == MODES == tuple(NGRAM_TIERS)
+
+
+def test_mapping_progress_notes_each_tenth_of_large_loads(capsys):
+    from strata_async.cli import _mapping_progress
+
+    note, total = _mapping_progress(), 10 << 30
+    for done in range(total // 40, total + 1, total // 40):
+        note(done, total)
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split("in: ")[1].split("%")[0] for line in lines] == [str(10 * k) for k in range(1, 11)]
+    small = _mapping_progress()
+    for done in (1 << 20, 100 << 20):
+        small(done, 100 << 20)
+    assert capsys.readouterr().err == ""

@@ -515,9 +515,11 @@ def test_load_prefaults_the_weights_unless_lazy(qwen3moe_f32_gguf):
     lazy.close()
     del lazy
     gc.collect()
-    eager = load_runtime(path)
+    seen = []
+    eager = load_runtime(path, options=LoadOptions(progress=lambda done, total: seen.append((done, total))))
     try:
         assert _resident_bytes_of(path) >= 0.95 * weights
         assert lazy_resident < 0.5 * weights
+        assert seen and seen[-1][0] == seen[-1][1] >= 0.95 * weights
     finally:
         eager.close()
