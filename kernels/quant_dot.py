@@ -14,7 +14,7 @@ import numba
 import numpy as np
 
 from .ggml_blocks import f16
-from .simd import fdot_nibbles_32, fdot_q6_half, fdot_s8_32
+from .simd import fdot_q4_k_block, fdot_q6_half, fdot_s8_32
 
 _FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 
@@ -39,34 +39,13 @@ def dot_q8_0(src, x):
     return acc
 
 
-@numba.njit(inline="always", nogil=True)
-def q4_k_scales(src, o, j):
-    """The 6-bit scales and mins of Q4_K sub-blocks j and j + 1 (j even) of the block at byte o."""
-    if j < 4:
-        return (np.int32(src[o + 4 + j] & 63), np.int32(src[o + 8 + j] & 63),
-                np.int32(src[o + 5 + j] & 63), np.int32(src[o + 9 + j] & 63))
-    return (np.int32((src[o + 8 + j] & 0xF) | ((src[o + j] >> 6) << 4)),
-            np.int32((src[o + 8 + j] >> 4) | ((src[o + 4 + j] >> 6) << 4)),
-            np.int32((src[o + 9 + j] & 0xF) | ((src[o + 1 + j] >> 6) << 4)),
-            np.int32((src[o + 9 + j] >> 4) | ((src[o + 5 + j] >> 6) << 4)))
-
-
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def dot_q4_k(src, x, xsum32):
-    """One Q4_K row: per 32-weight sub-block, d*sc * sum(q x) - dmin*m * sum(x)."""
+    """One Q4_K row: per 32-weight sub-block, d*sc * sum(q x) - dmin*m * sum(x), a block per vector call."""
     acc = np.float32(0.0)
     for b in range(x.shape[0] // 256):
         o = b * 144
-        d = f16(src, o)
-        dmin = f16(src, o + 2)
-        for g in range(4):
-            j = 2 * g  # sub-blocks j (low nibbles) and j + 1 (high nibbles) share 32 bytes
-            sc1, m1, sc2, m2 = q4_k_scales(src, o, j)
-            qs = o + 16 + 32 * g
-            y = 256 * b + 64 * g
-            sb = 8 * b + j
-            acc += d * fdot_nibbles_32(src, qs, x, y, np.float32(sc1), np.float32(sc2)) \
-                - dmin * (np.float32(m1) * xsum32[sb] + np.float32(m2) * xsum32[sb + 1])
+        acc += fdot_q4_k_block(src, o, x, 256 * b, xsum32, 8 * b, f16(src, o), f16(src, o + 2))
     return acc
 
 

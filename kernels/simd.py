@@ -218,6 +218,62 @@ def _scales_minus_mins(builder, d, isc, dmin, imin):
     return builder.fsub(builder.fmul(d, builder.sitofp(isc, f32)), builder.fmul(dmin, builder.sitofp(imin, f32)))
 
 
+def _q4_k_scales_mins(context, builder, src_ty, src, o):
+    """A Q4_K block's eight 6-bit scales and eight mins (ggml's get_scale_min_k4) as two <8 x i8>, unpacked
+    from the 12 bytes at o + 4 with shuffles."""
+    v8 = ir.VectorType(_I8, 8)
+    sb = _load(context, builder, src_ty, src, _at(builder, o, 4), 16)  # the 12 scale bytes (+4 of codes)
+    low_half = ir.Constant(ir.VectorType(ir.IntType(1), 8), [1, 1, 1, 1, 0, 0, 0, 0])
+
+    def lanes(idx):
+        return builder.shuffle_vector(sb, sb, _vec_const(32, idx))
+
+    def const8(v):
+        return ir.Constant(v8, [v] * 8)
+
+    a, b = lanes([0, 1, 2, 3, 8, 9, 10, 11]), lanes([0, 1, 2, 3, 0, 1, 2, 3])
+    c, e = lanes([4, 5, 6, 7, 8, 9, 10, 11]), lanes([4, 5, 6, 7, 4, 5, 6, 7])
+    hi2 = builder.shl(builder.lshr(b, const8(6)), const8(4))
+    sc = builder.select(low_half, builder.and_(a, const8(63)), builder.or_(builder.and_(a, const8(15)), hi2))
+    hi2m = builder.shl(builder.lshr(e, const8(6)), const8(4))
+    mn = builder.select(low_half, builder.and_(c, const8(63)), builder.or_(builder.lshr(c, const8(4)), hi2m))
+    return sc, mn
+
+
+@intrinsic
+def fdot_q4_k_block(typingctx, src, o, x, y, xsum32, sb, d, dmin):
+    """One Q4_K block (144 bytes at src[o], its fp16 d and dmin given as floats) times float32 x[y:y + 256]
+    with their 32-sums at xsum32[sb:]: d * sum_j sc_j (q_j . x_j) - dmin * sum_j m_j sum(x_j), the eight
+    sub-block products scaled in float lanes and reduced once (the float-activation path)."""
+    if not (_byte_array(src) and _float_array(x) and _float_array(xsum32)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        src_ty, src_v, o_v, x_ty, x_v, y_v, xs_ty, xs_v, sb_v, d, dmin = (
+            sig.args[0], args[0], args[1], sig.args[2], args[2], args[3], sig.args[4], args[4], args[5], args[6],
+            args[7])
+        f32 = ir.FloatType()
+        vf = ir.VectorType(f32, 32)
+        fl = ("reassoc", "nsz", "contract")
+        sc, mn = _q4_k_scales_mins(context, builder, src_ty, src_v, o_v)
+        scf = builder.uitofp(sc, ir.VectorType(f32, 8))
+        total = None
+        for gi in range(4):
+            q = _load(context, builder, src_ty, src_v, _at(builder, o_v, 16 + 32 * gi), 32)
+            for half, codes in enumerate((builder.and_(q, _vec_const(8, [15] * 32)),
+                                          builder.lshr(q, _vec_const(8, [4] * 32)))):
+                j = 2 * gi + half
+                xv = _load_vec(context, builder, x_ty, x_v, _at(builder, y_v, 32 * j), f32, 32)
+                scale = builder.shuffle_vector(scf, scf, _vec_const(32, [j] * 32))
+                part = builder.fmul(builder.fmul(builder.uitofp(codes, vf), xv, flags=fl), scale, flags=fl)
+                total = part if total is None else builder.fadd(total, part, flags=fl)
+        sums = _load_vec(context, builder, xs_ty, xs_v, sb_v, f32, 8)
+        mins = builder.fmul(builder.uitofp(mn, ir.VectorType(f32, 8)), sums, flags=fl)
+        return builder.fsub(builder.fmul(d, _reduce_fadd(builder, total, 32), flags=fl),
+                            builder.fmul(dmin, _reduce_fadd(builder, mins, 8), flags=fl), flags=fl)
+    return types.float32(src, o, x, y, xsum32, sb, types.float32, types.float32), codegen
+
+
 @intrinsic
 def idot_q4_k_block(typingctx, src, o, xq, y, xs16, g, d, dmin):
     """One Q4_K block (144 bytes at src[o], its fp16 d and dmin given as floats) times 256 Q8_K codes xq[y:]
@@ -229,23 +285,7 @@ def idot_q4_k_block(typingctx, src, o, xq, y, xs16, g, d, dmin):
 
     def codegen(context, builder, sig, args):
         src_ty, src_v, o_v, xq_ty, xq_v, y_v, xs_ty, xs_v, g_v, d, dmin = _kblock_args(sig, args)
-
-        v8 = ir.VectorType(_I8, 8)
-        sb = _load(context, builder, src_ty, src_v, _at(builder, o_v, 4), 16)  # the 12 scale bytes (+4 of codes)
-        low_half = ir.Constant(ir.VectorType(ir.IntType(1), 8), [1, 1, 1, 1, 0, 0, 0, 0])
-
-        def lanes(idx):
-            return builder.shuffle_vector(sb, sb, _vec_const(32, idx))
-
-        def const8(v):
-            return ir.Constant(v8, [v] * 8)
-
-        a, b = lanes([0, 1, 2, 3, 8, 9, 10, 11]), lanes([0, 1, 2, 3, 0, 1, 2, 3])
-        c, e = lanes([4, 5, 6, 7, 8, 9, 10, 11]), lanes([4, 5, 6, 7, 4, 5, 6, 7])
-        hi2 = builder.shl(builder.lshr(b, const8(6)), const8(4))
-        sc = builder.select(low_half, builder.and_(a, const8(63)), builder.or_(builder.and_(a, const8(15)), hi2))
-        hi2m = builder.shl(builder.lshr(e, const8(6)), const8(4))
-        mn = builder.select(low_half, builder.and_(c, const8(63)), builder.or_(builder.lshr(c, const8(4)), hi2m))
+        sc, mn = _q4_k_scales_mins(context, builder, src_ty, src_v, o_v)
         sc16 = builder.zext(sc, ir.VectorType(ir.IntType(16), 8))
 
         total = None
@@ -431,30 +471,6 @@ def fdot_s8_32(typingctx, src, o, x, xo):
         xv = _load_vec(context, builder, sig.args[2], args[2], args[3], ir.FloatType(), 32)
         return _reduce_fadd(builder, builder.fmul(w, xv, flags=("reassoc", "nsz", "contract")), 32)
     return types.float32(src, o, x, xo), codegen
-
-
-@intrinsic
-def fdot_nibbles_32(typingctx, src, o, x, xo, s_lo, s_hi):
-    """s_lo * sum_i (src[o+i] & 15) x[xo+i] + s_hi * sum_i (src[o+i] >> 4) x[xo+32+i], i < 32, float32 x and
-    scales: two 4-bit sub-blocks sharing 32 bytes (Q4_K), one reduction."""
-    if not (_byte_array(src) and _float_array(x)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        f32 = ir.FloatType()
-        vf = ir.VectorType(f32, 32)
-        q = _load(context, builder, sig.args[0], args[0], args[1], 32)
-        lo = builder.uitofp(builder.and_(q, _vec_const(8, [15] * 32)), vf)
-        hi = builder.uitofp(builder.lshr(q, _vec_const(8, [4] * 32)), vf)
-        x_lo = _load_vec(context, builder, sig.args[2], args[2], args[3], f32, 32)
-        x_hi = _load_vec(context, builder, sig.args[2], args[2], _at(builder, args[3], 32), f32, 32)
-        fl = ("reassoc", "nsz", "contract")
-
-        total = builder.fadd(builder.fmul(builder.fmul(lo, x_lo, flags=fl), _splat_f(builder, args[4]), flags=fl),
-                             builder.fmul(builder.fmul(hi, x_hi, flags=fl), _splat_f(builder, args[5]), flags=fl),
-                             flags=fl)
-        return _reduce_fadd(builder, total, 32)
-    return types.float32(src, o, x, xo, types.float32, types.float32), codegen
 
 
 @intrinsic
