@@ -124,12 +124,21 @@ def _x86(builder, name, ret, args):
     return builder.call(fn, args)
 
 
+def _pmaddubsw(builder, codes, x):
+    """vpmaddubsw (AVX-512BW): <64 x u8> codes times <64 x i8> x, adjacent products added, as <32 x i16>
+    (saturating: callers keep |code * x| * 2 < 2^15)."""
+    return _x86(builder, "llvm.x86.avx512.pmaddubs.w.512", ir.VectorType(ir.IntType(16), 32), [codes, x])
+
+
+def _pmaddwd(builder, a, b):
+    """vpmaddwd (AVX-512BW): <32 x i16> a times b, adjacent products added, as <16 x i32>."""
+    return _x86(builder, "llvm.x86.avx512.pmaddw.d.512", ir.VectorType(_I32, 16), [a, b])
+
+
 def _madd_scaled(builder, codes, x, scales):
     """sum over each 4 lanes of codes * x * scale as <16 x i32> (AVX-512BW): codes <64 x u8>, x <64 x i8>,
-    scales <32 x i16> (one per pair of lanes). vpmaddubsw adds the two adjacent products in int16 (saturating:
-    callers keep |code * x| * 2 < 2^15), vpmaddwd scales those pairs and adds two; sums are exact."""
-    pairs = _x86(builder, "llvm.x86.avx512.pmaddubs.w.512", ir.VectorType(ir.IntType(16), 32), [codes, x])
-    return _x86(builder, "llvm.x86.avx512.pmaddw.d.512", ir.VectorType(_I32, 16), [pairs, scales])
+    scales <32 x i16> (one per pair of lanes); sums are exact."""
+    return _pmaddwd(builder, _pmaddubsw(builder, codes, x), scales)
 
 
 def _madd_runs(builder, codes_a, codes_b, x, scales, first, run):
@@ -332,9 +341,9 @@ def _grid_lookup(context, builder, grid_ty, grid, signs_ty, signs, q_ty, q, qo, 
     for lane in range(n):
         code = builder.zext(builder.extract_element(codes, ir.Constant(_I32, lane)), i64)
         point = builder.and_(code, ir.Constant(i64, 511))
-        sign = builder.lshr(code, ir.Constant(i64, 9))
         g = builder.insert_element(g, builder.load(builder.gep(grid_data, [point])), ir.Constant(_I32, lane))
         if not computed_signs:
+            sign = builder.lshr(code, ir.Constant(i64, 9))
             m = builder.insert_element(m, builder.load(builder.gep(signs_data, [sign])), ir.Constant(_I32, lane))
     v8 = ir.VectorType(_I8, 8 * n)
     if computed_signs:
@@ -386,16 +395,13 @@ def idot_q2_0_block(typingctx, src, o, x, xo, xs16, g):
         spread = builder.shuffle_vector(qs, qs, _vec_const(32, [j // 4 for j in range(64)]))
         x64 = _load(context, builder, x_ty, x_v, xo_v, 64)
         if HAS_AVX512BW:
-            v32i16 = ir.VectorType(ir.IntType(16), 32)
             total = None
             for s in range(4):
                 masked = builder.and_(spread, _vec_const(8, [(3 << 2 * s if s < 3 else -64) if j % 4 == s else 0
                                                              for j in range(64)]))
-                pairs = _x86(builder, "llvm.x86.avx512.pmaddubs.w.512", v32i16, [masked, x64])
-                part = builder.ashr(pairs, _vec_const(16, [2 * s] * 32))
+                part = builder.ashr(_pmaddubsw(builder, masked, x64), _vec_const(16, [2 * s] * 32))
                 total = part if total is None else builder.add(total, part)
-            lanes = _x86(builder, "llvm.x86.avx512.pmaddw.d.512", ir.VectorType(_I32, 16),
-                         [total, _vec_const(16, [1] * 32)])
+            lanes = _pmaddwd(builder, total, _vec_const(16, [1] * 32))
             halves = [_shuffle(builder, lanes, list(range(8 * h, 8 * h + 8))) for h in range(2)]
             sums = [_reduce_add(builder, v, 8) for v in halves]
         else:
