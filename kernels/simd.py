@@ -699,3 +699,37 @@ def load_f16(typingctx, src, off):
         h = builder.load(_pointer(context, builder, sig.args[0], args[0], args[1], ir.HalfType()), align=1)
         return builder.fpext(h, ir.FloatType())
     return types.float32(src, off), codegen
+
+
+# MXCSR bits: flush results that would be subnormal to zero (FTZ, bit 15), read subnormal inputs as zero (DAZ, bit 6).
+_FTZ_DAZ = (1 << 15) | (1 << 6)
+HAS_MXCSR = platform.machine().lower() in ("x86_64", "amd64")
+
+
+@intrinsic
+def flush_subnormals(typingctx, on):
+    """Set this thread's SSE control register to flush subnormal floats to zero (on=True) or to the value `on`
+    returned by an earlier call (an int), and return the previous value to restore. A decay like exp(-100) is
+    subnormal in float32, and every multiply with such a value takes a ~100-cycle microcode assist: the DeltaNet
+    rule's decays between far-apart tokens of a chunk ran ~10x slower for it. A no-op off x86."""
+    if not (isinstance(on, types.Boolean) or isinstance(on, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        if not HAS_MXCSR:
+            return ir.Constant(ir.IntType(64), 0)
+        slot = cgutils.alloca_once(builder, _I32)
+        i8p = _I8.as_pointer()
+        fnty = ir.FunctionType(ir.VoidType(), [i8p])
+        st = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.sse.stmxcsr")
+        ld = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.sse.ldmxcsr")
+        builder.call(st, [builder.bitcast(slot, i8p)])
+        old = builder.load(slot)
+        if isinstance(sig.args[0], types.Boolean):
+            new = builder.or_(old, ir.Constant(_I32, _FTZ_DAZ))
+        else:
+            new = builder.trunc(args[0], _I32)
+        builder.store(new, slot)
+        builder.call(ld, [builder.bitcast(slot, i8p)])
+        return builder.zext(old, ir.IntType(64))
+    return types.int64(on), codegen

@@ -115,6 +115,23 @@ def test_rule_state_carries_across_calls(rng):
     np.testing.assert_allclose(s, ref_state, rtol=0, atol=F64_TOL)
 
 
+def test_rule_with_underflowing_decays(rng):
+    """Decays far below float32's normal range (g of -60 to -1000 per token, as a model with random weights
+    gives): the kernels flush those subnormal products to zero and still match float64, and the caller's
+    floating-point mode is left as it was (a subnormal product is still subnormal afterwards)."""
+    n, hk, hv, dk, dv = 100, 2, 4, 32, 16
+    q, k, v, _, beta, state = random_rule_inputs(rng, n, hk, hv, dk, dv)
+    g = -np.exp(rng.uniform(np.log(60.0), np.log(1000.0), (n, hv))).astype(np.float32)
+    g[:, 0] = -rng.uniform(0.5, 1.5, n)  # one head whose decay crosses 1e-38 inside a chunk
+    qn, kn = l2norm(q), l2norm(k)
+    ref_out, ref_state = gated_delta_rule_ref(qn, kn, v, g, beta, state)
+    for fn in (gated_delta_rule_recurrent, gated_delta_rule_chunked):
+        s = state.copy()
+        np.testing.assert_allclose(fn(qn, kn, v, g, beta, s), ref_out, rtol=0, atol=F64_TOL)
+        np.testing.assert_allclose(s, ref_state, rtol=0, atol=F64_TOL)
+        assert np.float32(1e-30) * np.float32(1e-10) > 0
+
+
 def test_rule_scale_argument(rng):
     q, k, v, g, beta, state = random_rule_inputs(rng, 20, 1, 2, 16, 8)
     qn, kn = l2norm(q), l2norm(k)

@@ -158,3 +158,25 @@ def test_idot_iq2_xs_block(rng, avx512bw):
                 v = int(grid[int(codes[g]) & 511, j]) * (-1 if (sign_bits >> j) & 1 else 1)
                 want += (2 * sc + 1) * v * int(x[xo + 8 * g + j])
         assert _compiled("idot_iq2_xs_block")(quant_iq._IQ2XS_GRID64, src, o, x, xo) == want
+
+
+@numba.njit
+def _products_flushed(x, y, out):
+    old = simd.flush_subnormals(True)
+    for i in range(x.shape[0]):
+        out[i] = x[i] * y[i]
+    simd.flush_subnormals(old)
+    for i in range(x.shape[0]):
+        out[x.shape[0] + i] = x[i] * y[i]
+
+
+@pytest.mark.skipif(not simd.HAS_MXCSR, reason="the SSE control register is x86's")
+def test_flush_subnormals_sets_and_restores():
+    """Products below 1.18e-38 are zero between the two calls and subnormal again after the restore."""
+    x = np.array([1e-30, 1e-20, 3.0], np.float32)
+    y = np.array([1e-10, 1e-19, 2.0], np.float32)
+    out = np.empty(6, np.float32)
+    _products_flushed(x, y, out)
+    np.testing.assert_array_equal(out[:3], [0.0, 0.0, 6.0])
+    np.testing.assert_array_equal(out[3:], x * y)
+    assert out[3] > 0 and out[4] > 0
