@@ -19,29 +19,28 @@ import numba
 import numpy as np
 
 from .checks import require_array, require_positive
+from .activations import ELEMENTWISE_MATH, sigmoid_f32
 from .simd import flush_subnormals
 from .small_matmul import FASTMATH, matmul_nt
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=ELEMENTWISE_MATH, error_model="numpy")
 def _causal_conv1d_silu(x, state, weight, out):
     n, channels = x.shape
     kernel = weight.shape[1]
     history = kernel - 1  # rows of conv_state; x[t] is history row history + t
+    w_t = np.ascontiguousarray(weight.T)  # [kernel, channels]: the channel loops below run over contiguous rows
     for t in range(n):
-        for c in range(channels):
-            out[t, c] = 0.0
+        o = out[t]
+        o[:] = 0.0
         for j in range(kernel):
             src = t + j
-            if src < history:
-                for c in range(channels):
-                    out[t, c] += weight[c, j] * state[src, c]
-            else:
-                for c in range(channels):
-                    out[t, c] += weight[c, j] * x[src - history, c]
+            row = state[src] if src < history else x[src - history]
+            w = w_t[j]
+            for c in range(channels):
+                o[c] += w[c] * row[c]
         for c in range(channels):
-            z = out[t, c]
-            out[t, c] = z / (np.float32(1.0) + np.exp(-z))
+            o[c] = o[c] * sigmoid_f32(o[c])
     # Keep the last kernel-1 inputs. Row i takes row i + n of the history; ascending i only reads
     # state rows that have not been overwritten yet.
     for i in range(history):

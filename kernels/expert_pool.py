@@ -47,6 +47,30 @@ def _add_experts(y, out):
         out[r] += acc
 
 
+@numba.njit(nogil=True, cache=True)
+def _add_scaled_rows(out, rows, y, scale):
+    for i in range(rows.shape[0]):
+        o = out[rows[i]]
+        s = scale[i]
+        for c in range(o.shape[0]):
+            o[c] += s * y[i, c]
+
+
+def add_scaled_rows(out: np.ndarray, rows: np.ndarray, y: np.ndarray, scale: np.ndarray) -> None:
+    """out[rows[i]] += scale[i] * y[i] for each i in order (rows may repeat): how prefill adds each expert's
+    outputs into its tokens' rows, one pass instead of numpy's gather, multiply and scatter."""
+    if out.dtype != np.float32 or y.dtype != np.float32 or out.ndim != 2 or y.ndim != 2 or y.shape[1] != out.shape[1]:
+        raise ValueError(f"add_scaled_rows needs float32 out [n, d] and y [m, d]; got {out.dtype} {out.shape}, "
+                         f"{y.dtype} {y.shape}")
+    rows = np.asarray(rows, np.int64)
+    if rows.shape != (y.shape[0],) or np.shape(scale) != (y.shape[0],):
+        raise ValueError(f"add_scaled_rows needs one row index and one scale per row of y ({y.shape[0]}); got "
+                         f"{rows.shape} and {np.shape(scale)}")
+    if rows.size and (rows.min() < 0 or rows.max() >= out.shape[0]):
+        raise ValueError(f"add_scaled_rows: row indices must lie in [0, {out.shape[0]})")
+    _add_scaled_rows(out, rows, np.ascontiguousarray(y), np.ascontiguousarray(scale, np.float32))
+
+
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
 def _swiglu_experts(tg, gate, tu, up, td, down, x, ids, weights, out):
     k = ids.shape[0]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from .activations import ELEMENTWISE_MATH, sigmoid_f32
 from .checks import require_array
 
 
@@ -28,7 +29,7 @@ def _rmsnorm_rows(x, w, eps, out):
             out[r, i] = x[r, i] * inv * w[i]
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=ELEMENTWISE_MATH, error_model="numpy")
 def _gated_rmsnorm_rows(x, gate, w, eps, out):
     rows, d = x.shape
     for r in range(rows):
@@ -39,7 +40,7 @@ def _gated_rmsnorm_rows(x, gate, w, eps, out):
         inv = np.float32(1.0 / np.sqrt(ss / d + eps))
         for i in range(d):
             z = gate[r, i]
-            out[r, i] = x[r, i] * inv * w[i] * (z / (np.float32(1.0) + np.exp(-z)))
+            out[r, i] = x[r, i] * inv * w[i] * (z * sigmoid_f32(z))
 
 
 @numba.njit(nogil=True, cache=True)

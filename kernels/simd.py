@@ -701,6 +701,17 @@ def load_f16(typingctx, src, off):
     return types.float32(src, off), codegen
 
 
+@intrinsic
+def f32_from_bits(typingctx, bits):
+    """The float32 whose bit pattern is the int32 `bits` (a register move; loops around it still vectorize)."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.trunc(args[0], _I32) if args[0].type.width > 32 else args[0], ir.FloatType())
+    return types.float32(bits), codegen
+
+
 # MXCSR bits: flush results that would be subnormal to zero (FTZ, bit 15), read subnormal inputs as zero (DAZ, bit 6).
 _FTZ_DAZ = (1 << 15) | (1 << 6)
 HAS_MXCSR = platform.machine().lower() in ("x86_64", "amd64")

@@ -18,7 +18,7 @@ import numpy as np
 from strata_async.kernels import deltanet
 
 from .device import Device
-from .layers import gated_rmsnorm, l2norm, rmsnorm, sigmoid
+from .layers import gate_sigmoid, gated_rmsnorm, l2norm, rmsnorm
 from .state import DeltaNetState
 from .weights import QTensor
 
@@ -123,5 +123,5 @@ def gated_deltanet(dev: Device, x: np.ndarray, w: DeltaNetWeights, shape: DeltaN
     else:
         o = deltanet.gated_delta_rule_chunked(q, k, v, g, beta, state.recurrent)
     z = z.reshape(n, s.n_v_heads, s.v_dim)
-    o = gated_rmsnorm(o, z, w.norm, eps) if s.gate == "silu" else rmsnorm(o, w.norm, eps) * sigmoid(z)
+    o = gated_rmsnorm(o, z, w.norm, eps) if s.gate == "silu" else gate_sigmoid(rmsnorm(o, w.norm, eps), z)
     return dev.linear(o.reshape(n, s.value_dim), w.out)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from strata_async.kernels import activations, norms
 from strata_async.kernels import attention as attention_kernels
-from strata_async.kernels import norms
 
 from .device import Device
 from .state import KVCache
@@ -46,17 +46,21 @@ def linear(dev: Device, x: np.ndarray, w: QTensor) -> np.ndarray:
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
-    e = np.exp(-np.abs(x))  # never overflows, unlike exp(-x) for large negative x
-    return np.where(x >= 0, np.float32(1.0) / (np.float32(1.0) + e), e / (np.float32(1.0) + e))
+    return activations.sigmoid(x)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    return x * sigmoid(x)
+    return activations.silu(x)
+
+
+def gate_sigmoid(x: np.ndarray, gate: np.ndarray) -> np.ndarray:
+    """x * sigmoid(gate), one pass (an output gate)."""
+    return activations.mul_sigmoid(x, gate)
 
 
 def swiglu(dev: Device, x: np.ndarray, gate: QTensor, up: QTensor, down: QTensor) -> np.ndarray:
     """down(silu(gate(x)) * up(x))."""
-    return dev.linear(silu(dev.linear(x, gate)) * dev.linear(x, up), down)
+    return dev.linear(activations.silu_mul(dev.linear(x, gate), dev.linear(x, up)), down)
 
 
 def rope(x: np.ndarray, positions: np.ndarray, theta: float, rot_dim: int) -> np.ndarray:

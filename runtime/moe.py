@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from strata_async.kernels.expert_pool import add_scaled_rows
 from strata_async.kernels.quant import FEW_TOKENS_MAX
 
 from .device import Device
@@ -95,17 +96,14 @@ def moe_ffn(dev: Device, x: np.ndarray, experts: RoutedExperts, ids: np.ndarray,
         if y is None:
             few[:] = False
         else:
-            per_pair = np.zeros((n * k, x.shape[1]), np.float32)
-            per_pair[pairs] = y * flat_weights[pairs][:, None]
-            out += per_pair.reshape(n, k, -1).sum(axis=1)
+            add_scaled_rows(out, pairs // k, y, flat_weights[pairs])
     for e, start, end in zip(expert_of[~few].tolist(), starts[~few].tolist(), ends[~few].tolist()):
         pairs = order[start:end]
         tokens = pairs // k  # distinct: a token picks an expert at most once
         y = swiglu(dev, x[tokens], experts.gate.expert(e), experts.up.expert(e), experts.down.expert(e))
-        out[tokens] += y * flat_weights[pairs][:, None]
+        add_scaled_rows(out, tokens, y, flat_weights[pairs])
     if shared is not None:
         y = swiglu(dev, x, shared.gate, shared.up, shared.down)
-        if shared.gate_inp is not None:
-            y *= sigmoid(dev.linear(x, shared.gate_inp))
-        out += y
+        scale = np.ones(n, np.float32) if shared.gate_inp is None else sigmoid(dev.linear(x, shared.gate_inp))[:, 0]
+        add_scaled_rows(out, np.arange(n), y, scale)
     return out

@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 from strata_async.kernels import quant
-from strata_async.kernels.expert_pool import swiglu_experts
+from strata_async.kernels.expert_pool import add_scaled_rows, swiglu_experts
 
 Q = gguf.GGMLQuantizationType
 SCALE_OFFSETS = {Q.Q4_K: (0, 2), Q.Q6_K: (208,), Q.Q2_K: (80, 82), Q.IQ2_XS: (0,)}
@@ -170,3 +170,21 @@ def test_grouped_experts_match_float64(rng, types):
             expected, bound = _rounded_expert_ref(x[pair_tokens[p]], g64[e], u64[e], d64[e], tg, td)
             assert np.all(np.abs(yq[p] - expected) <= bound), (g, p)
     assert np.abs(yq - y).max() > 0  # the rounding happened
+
+
+def test_add_scaled_rows_matches_float64_with_repeated_rows(rng):
+    out = rng.standard_normal((7, 33)).astype(np.float32)
+    y = rng.standard_normal((12, 33)).astype(np.float32)
+    rows = rng.integers(0, 7, 12)
+    rows[:3] = 4  # the same row three times
+    scale = rng.standard_normal(12).astype(np.float32)
+    want = out.astype(np.float64)
+    np.add.at(want, rows, y.astype(np.float64) * scale[:, None])
+    add_scaled_rows(out, rows, y, scale)
+    np.testing.assert_allclose(out, want, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="row indices"):
+        add_scaled_rows(out, np.full(12, 7), y, scale)
+    with pytest.raises(ValueError, match="one row index and one scale"):
+        add_scaled_rows(out, rows[:5], y, scale)
+    with pytest.raises(ValueError, match="float32"):
+        add_scaled_rows(out, rows, y.astype(np.float64), scale)

@@ -20,7 +20,7 @@ import numpy as np
 from ..config import LoadOptions, Metadata, ModelConfig
 from ..deltanet import DeltaNetShape, DeltaNetWeights, InputProjection, gated_deltanet
 from ..device import Device
-from ..layers import attention, linear, rmsnorm, rope, sigmoid
+from ..layers import attention, gate_sigmoid, linear, rmsnorm, rope
 from ..moe import RoutedExperts, SharedExpert, moe_ffn, route_softmax_topk
 from ..state import KVCache, SequenceState
 from ..weights import QTensor, WeightStore
@@ -121,7 +121,7 @@ class Model:
         v = linear(self.dev, x, a.v).reshape(n, c.n_kv_heads, c.head_dim)
         q = rope(q, positions, c.rope_theta, c.rope_dim)
         k = rope(k, positions, c.rope_theta, c.rope_dim)
-        return linear(self.dev, attention(q, k, v, cache, c.head_dim ** -0.5) * sigmoid(gate), a.o)
+        return linear(self.dev, gate_sigmoid(attention(q, k, v, cache, c.head_dim ** -0.5), gate), a.o)
 
     def forward(self, state: SequenceState, tokens: np.ndarray, hook: DebugHook) -> np.ndarray:
         """Final-normed hidden states [n, hidden] of the tokens; advances the state."""

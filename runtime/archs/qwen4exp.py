@@ -27,7 +27,7 @@ from ..config import LoadOptions, Metadata, ModelConfig
 from ..deltanet import DeltaNetShape, DeltaNetWeights, InputProjection, gated_deltanet
 from ..device import Device
 from ..hyper import HyperConnection, hc_read, hc_write
-from ..layers import attention, linear, rmsnorm, rope, sigmoid, sparse_attention
+from ..layers import attention, gate_sigmoid, linear, rmsnorm, rope, sparse_attention
 from ..moe import RoutedExperts, SharedExpert, moe_ffn, route_softmax_topk
 from ..ple import TABLE_TENSOR, NGramHash, NGramTable, PLEWeights, new_ple_state, ple_module
 from ..qsa import Indexer, QSAShape, select_positions
@@ -216,7 +216,7 @@ class Model:
             allowed = select_positions(self.dev, x, m.indexer, m.shape, cache, positions, c.rope_theta, c.rope_dim,
                                        c.rms_eps)
             out = sparse_attention(q, k, v, cache, allowed, scale)
-        return linear(self.dev, out * sigmoid(gate), a.o)
+        return linear(self.dev, gate_sigmoid(out, gate), a.o)
 
     def forward(self, state: SequenceState, tokens: np.ndarray, hook: DebugHook) -> np.ndarray:
         """The final mixer's output [n, hidden] for the tokens; advances the state."""
