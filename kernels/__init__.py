@@ -4,13 +4,13 @@ import hashlib
 import os
 from pathlib import Path
 
-# Numba's parallel kernels run on an OpenMP pool whose idle threads spin for a while after each region; so do
-# OpenBLAS's threads after a matrix product. Prefill alternates the two (Numba decodes a weight tile, BLAS
-# multiplies it) and with both spinning on 2 cores each waited for the other: 30 ns per weight instead of
-# 1-5 (bench/README.md). Idle OpenMP threads sleep instead. Read when the OpenMP runtime starts, so it is set
-# before the first parallel kernel runs; a value the user set is kept.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
+# Numba's parallel kernels run on an OpenMP pool whose idle threads spin for a while (libgomp: 300,000 spins,
+# a fraction of a millisecond) after each region before they sleep; a region that finds them asleep pays ~0.1 ms
+# to wake them, ~3 us otherwise (measured here), and a decoded token runs dozens of regions a few tens of
+# microseconds apart. So the pool keeps libgomp's default. Prompt processing once alternated a parallel tile
+# decode with each BLAS product, and spinning workers fought OpenBLAS's threads (30 ns per weight instead of
+# 1-5); its tiles are decoded on the calling thread now (quant.matmul). OMP_WAIT_POLICY=PASSIVE (sleep at
+# once) or ACTIVE (spin without end) is honoured if set.
 import numba  # noqa: E402
 
 

@@ -172,7 +172,7 @@ def matmul(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool = False
     for r0 in range(0, n_rows, _MATMUL_TILE_ROWS):
         r1 = min(n_rows, r0 + _MATMUL_TILE_ROWS)
         t = tile[: r1 - r0]
-        quant_dispatch.dequant_rows(fmt.ggml_type, w[r0:r1], t)
+        quant_dispatch.dequant_rows_serial(fmt.ggml_type, w[r0:r1], t)
         np.matmul(x, t.T, out=out[:, r0:r1])
     return out
 

@@ -86,6 +86,15 @@ def dequant_rows(t, w, out):
         dequant_row(t, w[r], out[r])
 
 
+@numba.njit(nogil=True, cache=True)
+def dequant_rows_serial(t, w, out):
+    """dequant_rows on the calling thread: for matmul's tiles, each a few tens of microseconds of decoding between
+    two BLAS calls, where waking the parallel workers would cost more (and their idle spinning would take cores
+    from BLAS's threads)."""
+    for r in range(w.shape[0]):
+        dequant_row(t, w[r], out[r])
+
+
 # Rows ahead whose cache lines a matrix-vector loop requests before it dots the current row. The hardware
 # prefetchers stop at every 4 KiB page (the file is mapped in 4 KiB pages), so a stream of rows from RAM
 # stalls at each page start: asking for the row 4 ahead took decode's output head (Q6_K, 255 MB) from
