@@ -6,7 +6,7 @@ Numba has no float16 type, so half floats are decoded from their bits here, once
 import numba
 import numpy as np
 
-from .simd import HAS_F16C, load_f16
+from .simd import HAS_F16C, f32_bits, f32_from_bits, load_f16
 
 
 @numba.njit(inline="always", nogil=True)
@@ -54,8 +54,6 @@ def round_to_half(x):
         return np.float32(np.rint(x * np.float32(16777216.0)) * np.float32(5.960464477539063e-08))
     if ax >= np.float32(65520.0):
         return np.float32(np.inf) if x > 0 else np.float32(-np.inf)
-    bits = np.array([x], dtype=np.float32).view(np.uint32)
-    b = bits[0]
+    b = f32_bits(np.float32(x))
     b = (b + np.uint32(0xFFF) + ((b >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
-    bits[0] = b
-    return bits.view(np.float32)[0]
+    return f32_from_bits(b)

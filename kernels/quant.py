@@ -116,12 +116,6 @@ def quantize_q8_blocks(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarra
     return xq, xd, xs16
 
 
-def _round_q8(x: np.ndarray, block: int) -> np.ndarray:
-    """ggml's activation quantization (Q8_0 per 32 / Q8_K per 256), returned dequantized."""
-    xq, xd = _q8_codes(x, block)
-    return (xq.reshape(-1, block) * xd[:, None]).reshape(x.shape)
-
-
 def quantize_activations(x: np.ndarray, ggml_type: int) -> np.ndarray:
     """Round float32 activations as ggml does for this weight type's dot product."""
     fmt = _format(ggml_type)
@@ -129,8 +123,10 @@ def quantize_activations(x: np.ndarray, ggml_type: int) -> np.ndarray:
         return x
     if x.shape[-1] % fmt.act_block:
         raise ValueError(f"activation length {x.shape[-1]} is not a multiple of {fmt.act_block}")
-    flat = np.ascontiguousarray(x, np.float32).reshape(-1)
-    return _round_q8(flat, fmt.act_block).reshape(x.shape)
+    rows = np.ascontiguousarray(x, np.float32).reshape(-1, x.shape[-1])
+    out = np.empty_like(rows)
+    quant_int.round_q8_rows(rows, fmt.act_block, out)
+    return out.reshape(x.shape)
 
 
 def matvec(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool = False) -> np.ndarray:

@@ -20,44 +20,71 @@ from .simd import idot_q2_0_block, idot_q2_k_block, idot_q4_k_block, idot_q6_hal
 _FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, error_model="numpy")
 def quantize_q8(x, block, xq, xd):
     """x float32 [k] -> int8 codes xq [k] and scales xd [k / block], ggml's rounding.
 
     block 32 (Q8_0): d = amax / 127 stored as fp16, q = roundf(x / d) with the unrounded d.
     block 256 (Q8_K): iscale = -127 / (the value of largest magnitude), q = min(127, nearest(iscale x)),
     d = 1 / iscale in float32. An all-zero block gets d = 0 and zero codes.
+    The loops are branch-free over one block's slices so that they vectorize (~10x faster than with a branch
+    per value): the largest magnitude is the largest of the values' bit patterns without their sign (the same
+    order, for numbers), then the first value holding it is looked up.
     """
+    bits = x.view(np.int32)  # once: a view per block costs more than the block's work
     for b in range(x.shape[0] // block):
-        b0 = b * block
-        amax = np.float32(0.0)
-        vmax = np.float32(0.0)  # the value of largest magnitude, sign kept (Q8_K scales by it)
-        for i in range(b0, b0 + block):
-            if abs(x[i]) > amax:
-                amax = abs(x[i])
-                vmax = x[i]
+        xs = x[b * block:(b + 1) * block]
+        qs = xq[b * block:(b + 1) * block]
+        mag = bits[b * block:(b + 1) * block]
+        mbits = np.int32(0)
+        for i in range(block):
+            mbits = max(mbits, mag[i] & np.int32(0x7FFFFFFF))
+        vmax = np.float32(0.0)  # the first value of largest magnitude, sign kept (Q8_K scales by it)
+        for i in range(block):
+            if mag[i] & np.int32(0x7FFFFFFF) == mbits:
+                vmax = xs[i]
+                break
+        amax = abs(vmax)
         if amax == 0:
             xd[b] = 0.0
-            for i in range(b0, b0 + block):
-                xq[i] = 0
+            qs[:] = 0
         elif block == 32:
             d = np.float32(amax / np.float32(127.0))
             inv = np.float32(1.0) / d
             xd[b] = round_to_half(d)
-            for i in range(b0, b0 + block):
-                v = x[i] * inv
+            for i in range(block):
+                v = xs[i] * inv
                 # roundf (halves away from zero), exactly: floor(|v| + 0.5) would round 0.49999997 up, since
                 # the sum rounds to 1.0 in float32; the fraction |v| - floor(|v|) is exact.
                 a = abs(v)
                 q = np.floor(a)
-                if a - q >= np.float32(0.5):
-                    q += np.float32(1.0)
-                xq[i] = np.int8(q if v >= 0 else -q)
+                q = q + np.float32(1.0) if a - q >= np.float32(0.5) else q
+                qs[i] = np.int8(q if v >= 0 else -q)
         else:
             iscale = np.float32(-127.0) / vmax
             xd[b] = np.float32(1.0) / iscale
-            for i in range(b0, b0 + block):
-                xq[i] = np.int8(min(127.0, np.rint(iscale * x[i])))
+            for i in range(block):
+                v = np.rint(iscale * xs[i])
+                qs[i] = np.int8(v if v < np.float32(127.0) else np.float32(127.0))
+
+
+@numba.njit(nogil=True, cache=True)
+def round_q8_rows(x, block, out):
+    """Each row of x [n, k] rounded as quantize_q8 rounds it, written to out [n, k] as codes times block scales
+    (float32 products, as numpy's int8 * float32): the activations ggml's integer dots see, for the float
+    products of prompts. On the calling thread: it runs just before a BLAS product, and workers of a parallel
+    region, spinning idle afterwards, would take the cores from BLAS's threads (measured: the products slowed
+    by more than the rounding gained)."""
+    n, k = x.shape
+    xq = np.empty(k, np.int8)
+    xd = np.empty(k // block, np.float32)
+    for r in range(n):
+        quantize_q8(x[r], block, xq, xd)
+        o = out[r]
+        for b in range(k // block):
+            d = xd[b]
+            for i in range(b * block, (b + 1) * block):
+                o[i] = np.float32(xq[i]) * d
 
 
 @numba.njit(nogil=True, cache=True)

@@ -702,8 +702,20 @@ def load_f16(typingctx, src, off):
 
 
 @intrinsic
+def f32_bits(typingctx, x):
+    """The bit pattern of the float32 x, as a uint32 (a register move)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], _I32)
+    return types.uint32(x), codegen
+
+
+@intrinsic
 def f32_from_bits(typingctx, bits):
-    """The float32 whose bit pattern is the int32 `bits` (a register move; loops around it still vectorize)."""
+    """The float32 whose bit pattern is the low 32 bits of the integer `bits` (a register move; loops around it
+    still vectorize)."""
     if not isinstance(bits, types.Integer):
         return None
 

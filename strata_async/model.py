@@ -10,7 +10,7 @@ import numpy as np
 
 from .default_model import default_model_path
 from .generate import GenerationEvent, generate
-from .runtime import LoadOptions, ModelConfig, Runtime, load_runtime
+from .runtime import PREFILL_CHUNK, LoadOptions, ModelConfig, Runtime, load_runtime
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 
@@ -18,7 +18,7 @@ __all__ = ["Model", "load"]
 
 
 def load(path: str | os.PathLike[str] | None = None, *, threads: int | None = None,
-         quantized_activations: bool = False, prefill_chunk: int = 256, max_context: int | None = None,
+         quantized_activations: bool = False, prefill_chunk: int = PREFILL_CHUNK, max_context: int | None = None,
          ple_io: str = "direct", ple_cache_rows: int = 4096, prefault: bool = True,
          load_progress: Callable[[int, int], None] | None = None) -> Model:
     """Open a GGUF model for CPU inference.

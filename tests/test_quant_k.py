@@ -99,6 +99,7 @@ def test_q8_k_activation_rounding_matches_reference(rng):
     x = random_activations(rng, (5 * QK_K,))
     x[QK_K:2 * QK_K] = 0.0  # an all-zero block has no scale and must stay zero
     x[3 * QK_K + 17] = -40.0  # a negative extreme sets the block's (signed) scale
+    x[4 * QK_K + 5], x[4 * QK_K + 9] = 30.0, -30.0  # equal magnitudes: the first one's sign sets the scale
     ref = q8_k_activations_ref(x)
     for ggml_type in K_TYPES:
         np.testing.assert_array_equal(quant.quantize_activations(x, ggml_type), ref.astype(np.float32))
