@@ -164,14 +164,19 @@ def matmul(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool = False
     if n <= FEW_TOKENS_MAX:
         quant_dispatch.matmul_rows(fmt.ggml_type, w, x, out)
         return out
-    tile = np.empty((min(_MATMUL_TILE_ROWS, n_rows), k), np.float32)
-    for r0 in range(0, n_rows, _MATMUL_TILE_ROWS):
-        r1 = min(n_rows, r0 + _MATMUL_TILE_ROWS)
-        t = tile[: r1 - r0]
-        quant_dispatch.dequant_rows_serial(fmt.ggml_type, w[r0:r1], t)
-        np.matmul(x, t.T, out=out[:, r0:r1])
+
+    def tiles(part: int, parts: int) -> None:
+        # every parts-th tile, decoded on this thread and multiplied by single-threaded BLAS (tile_threads)
+        tile = np.empty((min(_MATMUL_TILE_ROWS, n_rows), k), np.float32)
+        for r0 in range(part * _MATMUL_TILE_ROWS, n_rows, parts * _MATMUL_TILE_ROWS):
+            r1 = min(n_rows, r0 + _MATMUL_TILE_ROWS)
+            t = tile[: r1 - r0]
+            quant_dispatch.dequant_rows_serial(fmt.ggml_type, w[r0:r1], t)
+            np.matmul(x, t.T, out=out[:, r0:r1])
+
+    tile_threads.run_parts(tiles)
     return out
 
 
 # The format families register themselves on import; quant_dispatch imports them all.
-from . import quant_dispatch, quant_int  # noqa: E402
+from . import quant_dispatch, quant_int, tile_threads  # noqa: E402
