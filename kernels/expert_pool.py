@@ -256,8 +256,8 @@ def swiglu_experts_grouped(gate: np.ndarray, gate_type: int, up: np.ndarray, up_
     expert group_experts[g], and pair p is token pair_tokens[p] of x [n, hidden]. Returns y [pairs, hidden]
     float32, y[p] = SwiGLU expert of its token (unweighted). Each weight row is decoded once per group and
     dotted with the group's tokens: per expert and per projection, this replaces a Python call, a parallel
-    region and a decode of the expert for BLAS (in a 256-token chunk of a 512-expert top-10 model an expert
-    sees ~5 tokens). quantized_activations: x and the SwiGLU outputs rounded as ggml rounds them, as in matmul.
+    region and a decode of the expert for BLAS (in a 512-token chunk of a 512-expert top-10 model an expert
+    sees ~10 tokens). quantized_activations: x and the SwiGLU outputs rounded as ggml rounds them, as in matmul.
     """
     if gate.ndim != 3 or up.shape[:2] != gate.shape[:2] or down.ndim != 3 or down.shape[0] != gate.shape[0]:
         raise ValueError(f"expert tensors must be [n_experts, rows, row bytes] with matching gate/up; got gate "

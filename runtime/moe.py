@@ -15,11 +15,19 @@ from dataclasses import dataclass
 
 import numpy as np
 from strata_async.kernels.expert_pool import add_scaled_rows
-from strata_async.kernels.quant import FEW_TOKENS_MAX
 
 from .device import Device
 from .layers import sigmoid, swiglu
 from .weights import QTensor
+
+
+# Experts with up to this many tokens of a prompt chunk go to the device's grouped call (one parallel call for
+# all of them, each expert's rows decoded into tiles once and multiplied with its tokens); busier experts are
+# matrix products of their own (BLAS tiles, a Python call per projection). 512-token prompts of the synthetic
+# 80B files, 2 threads: 64 against 16 took Q8_0 (real routing, ~10 tokens per expert, dozens above 16) from
+# 4.3-4.5 to 3.8-4.3 s and Q4_K (a few experts with every token) from 2.5-2.7 to 2.3-2.5 s; 512 (all grouped)
+# was slower on Q4_K (3.2-3.5 s), where BLAS is faster for the experts with every token.
+GROUPED_TOKENS_MAX = 64
 
 
 @dataclass(frozen=True)
@@ -87,7 +95,7 @@ def moe_ffn(dev: Device, x: np.ndarray, experts: RoutedExperts, ids: np.ndarray,
     ends = np.append(starts[1:], len(order))
     # Experts with a few tokens (most of them, in a prompt chunk of a many-expert model) go to the device in one
     # grouped call; an expert with many tokens is a matrix product of its own (BLAS tiles).
-    few = (ends - starts) <= FEW_TOKENS_MAX
+    few = (ends - starts) <= GROUPED_TOKENS_MAX
     if few.any():
         pairs = np.concatenate([order[a:b] for a, b in zip(starts[few].tolist(), ends[few].tolist())])
         group_starts = np.concatenate([[0], np.cumsum(ends[few] - starts[few])])
