@@ -210,35 +210,6 @@ register_type(IQ1_M, "IQ1_M", _QK, 56, act_block=_Q8_K)
 
 
 @numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
-def dot_iq2_xs(src, x):
-    """One IQ2_XS row dotted with float32 x straight from its blocks (no scratch row): per 8 values the
-    grid point times its signs times x, scaled once per half sub-block."""
-    acc = np.float32(0.0)
-    for b in range(x.shape[0] // _QK):
-        o = b * 74
-        blk = np.float32(0.0)
-        for ib in range(8):
-            sc = src[o + 66 + ib]
-            s_lo = np.float32(0.0)
-            s_hi = np.float32(0.0)
-            for l in range(4):
-                qv = np.int32(src[o + 2 + 2 * (4 * ib + l)]) | (np.int32(src[o + 3 + 2 * (4 * ib + l)]) << 8)
-                point = qv & 511
-                signs = _KSIGNS[qv >> 9]
-                y = b * _QK + 32 * ib + 8 * l
-                s = np.float32(0.0)
-                for j in range(8):
-                    s += _IQ2XS_GRID[point, j] * _SIGN8[signs, j] * x[y + j]
-                if l < 2:
-                    s_lo += s
-                else:
-                    s_hi += s
-            blk += (np.float32(0.5) + np.float32(sc & 0xF)) * s_lo + (np.float32(0.5) + np.float32(sc >> 4)) * s_hi
-        acc += f16(src, o) * np.float32(0.25) * blk
-    return acc
-
-
-@numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
 def idot_iq2_xs(src, xq, xd):
     """One IQ2_XS row times Q8_K activations (ggml's vec_dot_iq2_xs_q8_K): per 16 values the integer dot of
     the signed grid values with the codes times (2 scale + 1), per 256 d * xd / 8."""
