@@ -481,22 +481,24 @@ def fdot_s8_32(typingctx, src, o, x, xo):
 
 @intrinsic
 def fdot_q6_half(typingctx, src, ql, qh, sc, x, xo):
-    """idot_q6_half with float32 activations: sum_k scale[k] sum_i (code_i - 32) x_i over the 128 values."""
+    """idot_q6_half with float32 activations: sum_k scale[k] sum_i (code_i - 32) x_i over the 128 values. Each
+    code times its run's scale is an exact int16 product (|code - 32| <= 32, |scale| <= 128), converted once and
+    multiply-added with x: one integer multiply, one conversion and one FMA per value, not two of each."""
     if not (_byte_array(src) and _float_array(x)):
         return None
 
     def codegen(context, builder, sig, args):
         f32 = ir.FloatType()
-        vf = ir.VectorType(f32, 32)
+        vf, v16 = ir.VectorType(f32, 32), ir.VectorType(ir.IntType(16), 32)
         fl = ("reassoc", "nsz", "contract")
         codes, scales = _q6_half_codes(context, builder, sig.args[0], args[0], args[1], args[2], args[3])
         total = None
         for k in range(4):
             runs = _vec_const(32, [2 * k] * 16 + [2 * k + 1] * 16)
-            sc = builder.sitofp(builder.shuffle_vector(scales, scales, runs), vf)
+            scaled = builder.mul(builder.sext(codes[k], v16), builder.shuffle_vector(scales, scales, runs))
             xo = _at(builder, args[5], 32 * k)
             xv = _load_vec(context, builder, sig.args[4], args[4], xo, f32, 32)
-            part = builder.fmul(builder.fmul(builder.sitofp(codes[k], vf), sc, flags=fl), xv, flags=fl)
+            part = builder.fmul(builder.sitofp(scaled, vf), xv, flags=fl)
             total = part if total is None else builder.fadd(total, part, flags=fl)
         return _reduce_fadd(builder, total, 32)
     return types.float32(src, ql, qh, sc, x, xo), codegen
