@@ -24,8 +24,9 @@ _MATMUL_TILE_ROWS = 128
 # Up to this many tokens, matmul decodes each row once and dots it with every token (quant_dispatch.matmul_rows)
 # instead of decoding tiles for BLAS: measured 2-4x faster for 1-10 tokens, even at 16, slower from 32.
 FEW_TOKENS_MAX = 16
-# Matrices up to this size are multiplied by a vector on the calling thread: waking the sleeping workers
-# (~0.1-0.3 ms here) costs more than the product (e.g. a DeltaNet layer's beta/alpha rows, a shared-expert gate).
+# Matrices up to this size are multiplied by a vector on the calling thread: starting a parallel region (~3 us
+# while the workers still spin, ~0.1 ms once they sleep) costs more than the product (e.g. a DeltaNet layer's
+# beta/alpha rows, a shared-expert gate).
 _SERIAL_MATVEC_BYTES = 256 << 10
 
 
