@@ -3,7 +3,7 @@
 One pass over the data each, with an exp that vectorizes: Numba lowers np.exp to a libm call per value, which
 LLVM cannot vectorize without a vector math library, and numpy's sigmoid took six passes over memory; on a
 512-token prompt chunk the activations had cost ~15 ns per value. ``exp_nonpositive`` is Cephes' expf (a
-degree-7 polynomial on the reduced argument, within 2 ulp of the float64 exp; tests/test_kernels_activations.py
+degree-7 polynomial on the reduced argument, within 1 ulp of the float64 exp; tests/test_kernels_activations.py
 measures it) for the arguments these functions take: -|x|, never positive, so it never overflows. Below -87 the
 true value is subnormal (< 1.7e-38) and the result is 0.
 """

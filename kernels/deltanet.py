@@ -18,8 +18,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .checks import require_array, require_positive
 from .activations import ELEMENTWISE_MATH, sigmoid_f32
+from .checks import require_array, require_positive
 from .simd import flush_subnormals
 from .small_matmul import FASTMATH, matmul_nt
 

@@ -722,7 +722,10 @@ def f32_from_bits(typingctx, bits):
         return None
 
     def codegen(context, builder, sig, args):
-        return builder.bitcast(builder.trunc(args[0], _I32) if args[0].type.width > 32 else args[0], ir.FloatType())
+        width = args[0].type.width
+        bits32 = (builder.trunc(args[0], _I32) if width > 32 else builder.zext(args[0], _I32) if width < 32
+                  else args[0])
+        return builder.bitcast(bits32, ir.FloatType())
     return types.float32(bits), codegen
 
 
@@ -733,10 +736,11 @@ HAS_MXCSR = platform.machine().lower() in ("x86_64", "amd64")
 
 @intrinsic
 def flush_subnormals(typingctx, on):
-    """Set this thread's SSE control register to flush subnormal floats to zero (on=True) or to the value `on`
-    returned by an earlier call (an int), and return the previous value to restore. A decay like exp(-100) is
-    subnormal in float32, and every multiply with such a value takes a ~100-cycle microcode assist: the DeltaNet
-    rule's decays between far-apart tokens of a chunk ran ~10x slower for it. A no-op off x86."""
+    """Set this thread's SSE control register to flush subnormal floats to zero (on=True; False clears the two
+    bits) or to the value `on` returned by an earlier call (an int), and return the previous value to restore.
+    A decay like exp(-100) is subnormal in float32, and every multiply with such a value takes a ~100-cycle
+    microcode assist: the DeltaNet rule's decays between far-apart tokens of a chunk ran ~10x slower for it.
+    A no-op off x86."""
     if not (isinstance(on, types.Boolean) or isinstance(on, types.Integer)):
         return None
 
@@ -751,7 +755,8 @@ def flush_subnormals(typingctx, on):
         builder.call(st, [builder.bitcast(slot, i8p)])
         old = builder.load(slot)
         if isinstance(sig.args[0], types.Boolean):
-            new = builder.or_(old, ir.Constant(_I32, _FTZ_DAZ))
+            new = builder.select(args[0], builder.or_(old, ir.Constant(_I32, _FTZ_DAZ)),
+                                 builder.and_(old, ir.Constant(_I32, ~_FTZ_DAZ & 0xFFFFFFFF)))
         else:
             new = builder.trunc(args[0], _I32)
         builder.store(new, slot)

@@ -165,18 +165,23 @@ def _products_flushed(x, y, out):
     old = simd.flush_subnormals(True)
     for i in range(x.shape[0]):
         out[i] = x[i] * y[i]
-    simd.flush_subnormals(old)
+    simd.flush_subnormals(False)  # clears the bits again
     for i in range(x.shape[0]):
         out[x.shape[0] + i] = x[i] * y[i]
+    simd.flush_subnormals(True)
+    simd.flush_subnormals(old)
+    for i in range(x.shape[0]):
+        out[2 * x.shape[0] + i] = x[i] * y[i]
 
 
 @pytest.mark.skipif(not simd.HAS_MXCSR, reason="the SSE control register is x86's")
 def test_flush_subnormals_sets_and_restores():
-    """Products below 1.18e-38 are zero between the two calls and subnormal again after the restore."""
+    """Products below 1.18e-38 are zero while flushing, subnormal again once cleared or restored."""
     x = np.array([1e-30, 1e-20, 3.0], np.float32)
     y = np.array([1e-10, 1e-19, 2.0], np.float32)
-    out = np.empty(6, np.float32)
+    out = np.empty(9, np.float32)
     _products_flushed(x, y, out)
     np.testing.assert_array_equal(out[:3], [0.0, 0.0, 6.0])
-    np.testing.assert_array_equal(out[3:], x * y)
+    np.testing.assert_array_equal(out[3:6], x * y)
+    np.testing.assert_array_equal(out[6:], x * y)
     assert out[3] > 0 and out[4] > 0
