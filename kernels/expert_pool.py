@@ -177,7 +177,7 @@ def _experts_gate_up_grouped(tg, gate, tu, up, xp, group_experts, group_starts, 
         uv = np.empty((pairs, rows), np.float32)
         matmul_nt(xp[p0:p1], gtile, gv, pairs, rows, hidden, False)
         matmul_nt(xp[p0:p1], utile, uv, pairs, rows, hidden, False)
-        for p in range(pairs):
+        for p in range(pairs):  # libm's exp here: activations' vectorized one needs flags without reassociation
             for r in range(rows):
                 z = gv[p, r]
                 h[p0 + p, r0 + r] = z / (np.float32(1.0) + np.exp(-z)) * uv[p, r]
@@ -236,7 +236,9 @@ def _experts_down_grouped_int(td, down, hq, hd, hs, group_experts, group_starts,
 # each pair re-reads the row's codes, where the float path decodes a row once for all its tokens. Per layer of
 # 512 experts x 5 tokens (2 threads, both paths alternating): Q4_K 0.33-0.41 s int vs 0.40-0.46 float, Q6_K
 # 0.38 vs 0.46-0.53, Q2_K 0.29 vs 0.46-0.53; Q8_0 0.50-0.57 vs 0.39-0.52 and IQ2_XS 0.96-1.27 vs 0.52 (its grid
-# look-ups are the decode) stay on the float path with the activations rounded the same way.
+# look-ups are the decode) stay on the float path with the activations rounded the same way. Those float timings
+# predate the float path's tiles (fc42bbf: gate/up 0.50 -> 0.36 s per layer on the Q8_0 file), so the choice for
+# the K-quants is due a new side-by-side measurement on a file whose routing spreads tokens as a real model's.
 _GROUPED_INT_TYPES = frozenset((Q4_K, Q6_K, Q2_K))
 
 

@@ -72,9 +72,9 @@ def quantize_q8(x, block, xq, xd):
 def round_q8_rows(x, block, out):
     """Each row of x [n, k] rounded as quantize_q8 rounds it, written to out [n, k] as codes times block scales
     (float32 products, as numpy's int8 * float32): the activations ggml's integer dots see, for the float
-    products of prompts. On the calling thread: it runs just before a BLAS product, and workers of a parallel
-    region, spinning idle afterwards, would take the cores from BLAS's threads (measured: the products slowed
-    by more than the rounding gained)."""
+    products of prompts. On the calling thread: it runs just before a matrix product, and the workers of a
+    parallel region, spinning idle afterwards, would take the cores from the product's tile threads (measured:
+    the products slowed by more than the rounding gained)."""
     n, k = x.shape
     xq = np.empty(k, np.int8)
     xd = np.empty(k // block, np.float32)
