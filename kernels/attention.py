@@ -164,7 +164,7 @@ def attend(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, start_pos: i
     return out
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def _rope_neox(x, positions, inv_freq, out):
     n, h, d = x.shape
     half = inv_freq.shape[0]

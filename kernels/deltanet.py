@@ -53,7 +53,7 @@ def _causal_conv1d_silu(x, state, weight, out):
                 state[i, c] = x[src - history, c]
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def _gdn_gates(alpha, b, ssm_a, dt_bias, g, beta):
     n, hv = alpha.shape
     for t in range(n):

@@ -48,7 +48,7 @@ def _add_experts(y, out):
         out[r] += acc
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def _add_scaled_rows(out, rows, y, scale):
     for i in range(rows.shape[0]):
         o = out[rows[i]]

@@ -16,7 +16,7 @@ from .activations import ELEMENTWISE_MATH, sigmoid_f32
 from .checks import require_array
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def _rmsnorm_rows(x, w, eps, out):
     rows, d = x.shape
     for r in range(rows):
@@ -43,7 +43,7 @@ def _gated_rmsnorm_rows(x, gate, w, eps, out):
             out[r, i] = x[r, i] * inv * w[i] * (z * sigmoid_f32(z))
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def _l2norm_rows(x, eps, out):
     rows, d = x.shape
     for r in range(rows):

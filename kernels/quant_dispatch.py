@@ -24,7 +24,7 @@ from .quant_q8 import Q8_0, dequant_q8_0
 _FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def dequant_row(t, src, dst):
     """Decode one row of ggml type ``t`` (``src``: its bytes) into float32 ``dst``."""
     if t == Q8_0:
@@ -79,14 +79,14 @@ def dequant_row(t, src, dst):
         raise ValueError("ggml type has no decoder")
 
 
-@numba.njit(parallel=True, nogil=True, cache=True)
+@numba.njit(parallel=True, nogil=True, cache=True, fastmath=False)
 def dequant_rows(t, w, out):
     """Decode rows ``w`` [rows, row_bytes] of type ``t`` into ``out`` [rows, k], rows in parallel."""
     for r in numba.prange(w.shape[0]):
         dequant_row(t, w[r], out[r])
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def dequant_rows_serial(t, w, out):
     """dequant_rows on the calling thread: for matmul's tiles, each a few tens of microseconds of decoding between
     two BLAS calls, where waking the parallel workers would cost more (and their idle spinning would take cores
@@ -119,7 +119,7 @@ def _dot(a, b):
     return acc
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, fastmath=False)
 def has_fused_dot(t):
     """Types whose rows are dotted with the activations straight from the blocks (quant_dot, quant_iq), F32
     rows (a router, say) straight from their bytes."""
@@ -192,7 +192,7 @@ def matmul_rows(t, w, x, out):
                 out[j, r] = _dot(buf, x[j])
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, fastmath=False)
 def has_int_dot(t):
     """Types with an integer dot product against ggml-quantized activations (quant_int)."""
     return t == Q8_0 or t == Q4_K or t == Q6_K or t == IQ2_XS or t == Q2_K or t == Q2_0

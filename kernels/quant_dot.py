@@ -19,7 +19,7 @@ from .simd import fdot_q4_k_block, fdot_q6_half, fdot_s8_32
 _FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def block_sums32(x, out):
     """out[j] = sum of x[32 j : 32 j + 32]."""
     for j in range(out.shape[0]):

@@ -9,18 +9,18 @@ from .quant import register_type
 F32, F16, BF16 = 0, 1, 30
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def dequant_f32(src, dst):
     dst[:] = src.view(np.float32)
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def dequant_f16(src, dst):
     for i in range(dst.shape[0]):
         dst[i] = f16(src, 2 * i)
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def dequant_bf16(src, dst):
     # bf16 is the high half of an fp32: shift it into place.
     b = src.view(np.uint16)

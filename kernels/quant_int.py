@@ -20,7 +20,7 @@ from .simd import idot_q2_0_block, idot_q2_k_block, idot_q4_k_block, idot_q6_hal
 _FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 
 
-@numba.njit(nogil=True, cache=True, error_model="numpy")
+@numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=False)
 def quantize_q8(x, block, xq, xd):
     """x float32 [k] -> int8 codes xq [k] and scales xd [k / block], ggml's rounding.
 
@@ -68,7 +68,7 @@ def quantize_q8(x, block, xq, xd):
                 qs[i] = np.int8(v if v < np.float32(127.0) else np.float32(127.0))
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def round_q8_rows(x, block, out):
     """Each row of x [n, k] rounded as quantize_q8 rounds it, written to out [n, k] as codes times block scales
     (float32 products, as numpy's int8 * float32): the activations ggml's integer dots see, for the float
@@ -87,7 +87,7 @@ def round_q8_rows(x, block, out):
                 o[i] = np.float32(xq[i]) * d
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def sums16(xq, out):
     """out[j] = sum of xq[16 j : 16 j + 16] (Q8_K's bsums)."""
     for j in range(out.shape[0]):

@@ -67,7 +67,7 @@ def _put4(dst, y, scale, grid, point, signs, first_bit):
         dst[y + j] = -v if (signs >> (first_bit + j)) & 1 else v
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def dequant_iq2_xxs(src, dst):
     # block: d fp16 | 8 x (4 grid-index bytes, u32 = 4 x 7 sign bits + 4-bit scale)   (66 bytes)
     for b in range(dst.shape[0] // _QK):
@@ -82,7 +82,7 @@ def dequant_iq2_xxs(src, dst):
                 _put8(dst, b * _QK + 32 * ib + 8 * l, db, _IQ2XXS_GRID, src[q + l], signs)
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def dequant_iq2_xs(src, dst):
     # block: d fp16 | 32 x u16 (9-bit grid index, 7 sign bits) | 8 scale bytes (two 4-bit scales)   (74 bytes)
     for b in range(dst.shape[0] // _QK):
@@ -95,7 +95,7 @@ def dequant_iq2_xs(src, dst):
             dequant_grid8x4(_IQ2XS_GRID64, _KSIGNS64, src, o + 2 + 8 * ib, db0, db1, dst, b * _QK + 32 * ib)
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def dequant_iq2_s(src, dst):
     # block: d fp16 | 32 grid-index low bytes | 32 sign bytes | 8 qh (4 x 2 high index bits) | 8 scales  (82 bytes)
     for b in range(dst.shape[0] // _QK):
@@ -112,7 +112,7 @@ def dequant_iq2_s(src, dst):
                       _IQ2S_GRID, point, src[o + 34 + 4 * ib + l])
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def dequant_iq3_xxs(src, dst):
     # block: d fp16 | 64 grid-index bytes (4 values each) | 8 x u32 (4 x 7 sign bits + 4-bit scale)   (98 bytes)
     for b in range(dst.shape[0] // _QK):
@@ -129,7 +129,7 @@ def dequant_iq3_xxs(src, dst):
                 _put4(dst, y + 4, db, _IQ3XXS_GRID, src[q + 2 * l + 1], signs, 4)
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def dequant_iq3_s(src, dst):
     # block: d fp16 | 64 grid-index low bytes | 8 qh (high index bits) | 32 sign bytes | 4 scales  (110 bytes)
     for b in range(dst.shape[0] // _QK):
@@ -156,7 +156,7 @@ def _put_iq1(dst, y, scale, point, delta):
         dst[y + j] = scale * (_IQ1S_GRID[point, j] + delta)
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def dequant_iq1_s(src, dst):
     # block: d fp16 | 32 grid-index low bytes | 8 x u16 (4 x 3 high index bits, 3-bit scale, delta sign)  (50 bytes)
     for b in range(dst.shape[0] // _QK):
@@ -171,7 +171,7 @@ def dequant_iq1_s(src, dst):
                 _put_iq1(dst, b * _QK + 32 * ib + 8 * l, dl, point, delta)
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def dequant_iq1_m(src, dst):
     # block: 32 grid-index low bytes | 16 qh (per 8 values: 3 high index bits + delta sign)
     #        | 4 x u16 scales (four 3-bit scales each; their top nibbles together are the fp16 d)  (56 bytes)

@@ -67,7 +67,7 @@ def _q2_scale_min(src, i, d, dmin):
 # bytes per bit field measured 2-3x slower.
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def dequant_q2_k(src, dst):
     for b in range(dst.shape[0] // _QK_K):
         o = b * _Q2_BYTES
@@ -88,7 +88,7 @@ def _q3_value(v, shift, h, hbit):
     return np.float32(np.int32((v >> shift) & 3) - (0 if (h >> hbit) & 1 else 4))
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def dequant_q3_k(src, dst):
     for b in range(dst.shape[0] // _QK_K):
         o = b * _Q3_BYTES
@@ -115,7 +115,7 @@ def dequant_q3_k(src, dst):
                     dst[y + 96 + l] = dl3 * _q3_value(v, 6, h, hb + 3)
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def dequant_q4_k(src, dst):
     for b in range(dst.shape[0] // _QK_K):
         o = b * _Q4_BYTES
@@ -132,7 +132,7 @@ def dequant_q4_k(src, dst):
             dequant_nibbles_32(src, o + 16 + 32 * g, d1, m1, d2, m2, dst, b * _QK_K + 64 * g)
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def dequant_q5_k(src, dst):
     for b in range(dst.shape[0] // _QK_K):
         o = b * _Q5_BYTES
@@ -156,7 +156,7 @@ def dequant_q5_k(src, dst):
                 dst[y + 32 + l] = d2 * np.float32((v >> 4) | ((h & 2) << 3)) - m2
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def dequant_q6_k(src, dst):
     for b in range(dst.shape[0] // _QK_K):
         o = b * _Q6_BYTES

@@ -27,7 +27,7 @@ _QK2 = 64  # weights per block in Q2_0
 _Q4_0_BYTES, _Q4_1_BYTES, _Q5_0_BYTES, _Q5_1_BYTES, _Q2_0_BYTES = 18, 20, 22, 24, 18
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def dequant_q4_0(src, dst):
     for b in range(dst.shape[0] // _QK):
         o = b * _Q4_0_BYTES
@@ -39,7 +39,7 @@ def dequant_q4_0(src, dst):
             dst[y + j + 16] = np.float32((q >> 4) - 8) * d
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def dequant_q4_1(src, dst):
     for b in range(dst.shape[0] // _QK):
         o = b * _Q4_1_BYTES
@@ -52,7 +52,7 @@ def dequant_q4_1(src, dst):
             dst[y + j + 16] = np.float32(q >> 4) * d + m
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def dequant_q5_0(src, dst):
     for b in range(dst.shape[0] // _QK):
         o = b * _Q5_0_BYTES
@@ -67,7 +67,7 @@ def dequant_q5_0(src, dst):
             dst[y + j + 16] = np.float32(hi - 16) * d
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def dequant_q5_1(src, dst):
     for b in range(dst.shape[0] // _QK):
         o = b * _Q5_1_BYTES
@@ -83,7 +83,7 @@ def dequant_q5_1(src, dst):
             dst[y + j + 16] = np.float32(hi) * d + m
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def dequant_q2_0(src, dst):
     for b in range(dst.shape[0] // _QK2):
         o = b * _Q2_0_BYTES
@@ -126,7 +126,7 @@ def _q2_0_lsq_scale(x, codes):
     return num / den if den > 0 else 0.0
 
 
-@numba.njit(parallel=True, nogil=True, cache=True)
+@numba.njit(parallel=True, nogil=True, cache=True, fastmath=False)
 def _quantize_q2_0_blocks(x, scales, codes):
     for b in numba.prange(x.shape[0]):
         xb = x[b]

@@ -39,14 +39,14 @@ def _decode_nibbles(src, o, scale, levels, dst, y):
         dst[y + j + 16] = scale * levels[q >> 4]
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def dequant_iq4_nl(src, dst):
     for b in range(dst.shape[0] // _QK):
         o = b * _IQ4_NL_BYTES
         _decode_nibbles(src, o + 2, f16(src, o), KVALUES_IQ4NL, dst, b * _QK)
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def dequant_iq4_xs(src, dst):
     for b in range(dst.shape[0] // _QK_K):
         o = b * _IQ4_XS_BYTES
@@ -66,7 +66,7 @@ def _e8m0_half(e):
     return np.array([bits], dtype=np.uint32).view(np.float32)[0]
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def dequant_mxfp4(src, dst):
     for b in range(dst.shape[0] // _QK):
         o = b * _MXFP4_BYTES

@@ -11,7 +11,7 @@ _QK = 32
 _BLOCK_BYTES = 34
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def dequant_q8_0(src, dst):
     for b in range(dst.shape[0] // _QK):
         o = b * _BLOCK_BYTES
