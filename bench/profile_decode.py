@@ -1,42 +1,78 @@
 """Where one decoded token's time goes: compiled kernels against everything else, per layer.
 
-    python bench/profile_decode.py MODEL.gguf [--threads 2] [--tokens 8]
+    python bench/profile_decode.py MODEL.gguf [--threads 2] [--tokens 8] [--int8]
 
 Two measurements on the same warmed-up sequence:
 1. wall time per phase (each layer's mixer and MoE, the output head), from the runtime's debug hook
-   timestamps, without a profiler;
-2. time inside compiled (Numba) kernels per token, from cProfile: a kernel call's own time is the
-   compiled code's, which the profiler does not slow down. Outside-kernel time = the wall time of those
-   same profiled tokens minus their kernel time: Python, numpy glue and dispatch, an upper bound (the
-   profiler slows the Python side). (Taking it against the unprofiled run of (1) instead mixes two runs,
-   whose difference on a shared machine was larger than the quantity: -14% to +18%.)
+   timestamps;
+2. time inside compiled (Numba) kernels: every kernel of strata_async.kernels that Python calls is wrapped,
+   for the timed tokens only, in a timer (two perf_counter reads, ~0.2 us a call), and the tokens' wall time
+   minus the kernels' is the time outside them: Python, numpy glue, argument checks. A kernel's time
+   includes Numba's entry into it (typing its arguments: ~1-2 us a call, measured here with an empty kernel
+   and reported as an estimate). An earlier version took kernel times from cProfile, which slows every
+   Python call and made the outside share look 1.5x larger than it is.
 Writes bench/results/profile_<tag>.json and prints a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
-import importlib
 import json
-import pstats
+import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
+import numba
 import numpy as np
 from bench_decode import RESULTS, touch_pages
 from numba.core.registry import CPUDispatcher
 from strata_async.runtime import load_runtime
 
 
-def is_kernel(filename: str, name: str) -> bool:
-    """A profiled function is a compiled kernel if it is a Numba dispatcher of a strata_async.kernels module."""
-    path = Path(filename)
-    if path.parent.name != "kernels":
-        return False
-    module = importlib.import_module(f"strata_async.kernels.{path.stem}")
-    return isinstance(getattr(module, name, None), CPUDispatcher)
+@contextmanager
+def kernel_timers(seconds: Counter, calls: Counter):
+    """Within the block, every kernel dispatcher that a strata_async module holds as an attribute is replaced by
+    a wrapper that adds its wall time to seconds[name] and counts calls[name]; restored on exit. Kernels that
+    compiled code calls are part of their caller's time."""
+    clock = time.perf_counter
+
+    def timed(name: str, kernel):
+        def call(*args):
+            t = clock()
+            try:
+                return kernel(*args)
+            finally:
+                seconds[name] += clock() - t
+                calls[name] += 1
+        return call
+
+    patched = []
+    for module in [m for name, m in sys.modules.items() if name.startswith("strata_async")]:
+        for attr, obj in list(vars(module).items()):
+            if isinstance(obj, CPUDispatcher) and obj.__module__.startswith("strata_async.kernels"):
+                patched.append((module, attr, obj))
+                setattr(module, attr, timed(f"{obj.__module__.rsplit('.', 1)[-1]}.{obj.__name__}", obj))
+    try:
+        yield
+    finally:
+        for module, attr, obj in patched:
+            setattr(module, attr, obj)
+
+
+def kernel_entry_seconds(repeats: int = 20000) -> float:
+    """Cost of calling a compiled kernel from Python with six array arguments and an int (no work inside)."""
+    @numba.njit(nogil=True)
+    def empty(t, a, b, c, d, e, f):
+        return t
+
+    args = (1, *(np.zeros(8, dt) for dt in (np.uint8, np.int8, np.float32, np.int32, np.float32, np.float32)))
+    empty(*args)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        empty(*args)
+    return (time.perf_counter() - t0) / repeats
 
 
 def main() -> int:
@@ -73,40 +109,38 @@ def main() -> int:
             phases[f"layer {l} moe"].append(at[("layer_out", l)] - at[("ffn_inp", l)])
         phases["output head"].append(t1 - at[("output_norm", -1)])
 
-    profiler = cProfile.Profile()
-    t0 = time.perf_counter()
-    profiler.enable()
-    for _ in range(a.tokens):
-        logits = rt.forward(state, np.array([int(logits[-1].argmax())]), all_logits=False)
-    profiler.disable()
-    profiled_wall = (time.perf_counter() - t0) / a.tokens
-    kernel_s: dict[str, float] = defaultdict(float)
-    for (filename, _, name), (_, _, tottime, _, _) in pstats.Stats(profiler).stats.items():
-        if is_kernel(filename, name):
-            kernel_s[f"{Path(filename).stem}.{name}"] += tottime / a.tokens
-
-    wall = float(np.median(walls))
-    kernels = sum(kernel_s.values())
-    result = {"model": a.model, "threads": a.threads, "tokens": a.tokens, "wall_ms": 1e3 * wall,
-              "profiled_wall_ms": 1e3 * profiled_wall, "kernel_ms": 1e3 * kernels,
-              "outside_kernels_ms": 1e3 * (profiled_wall - kernels),
-              "outside_fraction": (profiled_wall - kernels) / profiled_wall,
-              "outside_estimate_ms": 1e3 * (wall - kernels),  # unprofiled wall minus kernels: two runs, noisy
-              "kernels_ms": {k: 1e3 * v for k, v in sorted(kernel_s.items(), key=lambda kv: -kv[1])},
+    kernel_s: Counter = Counter()
+    kernel_calls: Counter = Counter()
+    with kernel_timers(kernel_s, kernel_calls):
+        t0 = time.perf_counter()
+        for _ in range(a.tokens):
+            logits = rt.forward(state, np.array([int(logits[-1].argmax())]), all_logits=False)
+        timed_wall = (time.perf_counter() - t0) / a.tokens
+    kernels = sum(kernel_s.values()) / a.tokens
+    calls = sum(kernel_calls.values()) / a.tokens
+    entry = kernel_entry_seconds()
+    result = {"model": a.model, "threads": a.threads, "tokens": a.tokens, "quantized_activations": a.int8,
+              "wall_ms": 1e3 * float(np.median(walls)), "timed_wall_ms": 1e3 * timed_wall,
+              "kernel_ms": 1e3 * kernels, "outside_kernels_ms": 1e3 * (timed_wall - kernels),
+              "outside_fraction": (timed_wall - kernels) / timed_wall,
+              "kernel_calls_per_token": calls, "kernel_entry_us": 1e6 * entry,
+              "kernel_entry_ms_estimate": 1e3 * entry * calls,
+              "kernels_ms": {k: 1e3 * v / a.tokens for k, v in kernel_s.most_common()},
+              "kernel_calls": {k: kernel_calls[k] / a.tokens for k, _ in kernel_s.most_common()},
               "phases_ms": {k: 1e3 * float(np.median(v)) for k, v in phases.items()}}
     tag = a.tag or Path(a.model).stem
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"profile_{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"one decoded token: {result['wall_ms']:.1f} ms wall; profiled: {result['profiled_wall_ms']:.1f} ms, "
-          f"{result['kernel_ms']:.1f} ms in kernels, {result['outside_kernels_ms']:.1f} ms outside "
-          f"({100 * result['outside_fraction']:.1f}%; unprofiled wall minus kernel time: "
-          f"{result['outside_estimate_ms']:.1f} ms)\n")
+    print(f"one decoded token: {result['wall_ms']:.1f} ms wall; timed run {result['timed_wall_ms']:.1f} ms: "
+          f"{result['kernel_ms']:.1f} ms in {calls:.0f} kernel calls, {result['outside_kernels_ms']:.2f} ms outside "
+          f"({100 * result['outside_fraction']:.1f}%); entering the kernels ~{result['kernel_entry_ms_estimate']:.2f} "
+          f"ms of the kernel time ({result['kernel_entry_us']:.2f} us a call)\n")
     print("| phase | ms |\n|---|---|")
     for k, v in result["phases_ms"].items():
         print(f"| {k} | {v:.2f} |")
-    print("\n| kernel | ms per token |\n|---|---|")
+    print("\n| kernel | ms per token | calls per token |\n|---|---|---|")
     for k, v in result["kernels_ms"].items():
-        print(f"| {k} | {v:.2f} |")
+        print(f"| {k} | {v:.3f} | {result['kernel_calls'][k]:.0f} |")
     return 0
 
 
