@@ -300,7 +300,7 @@ def swiglu_experts_grouped(gate: np.ndarray, gate_type: int, up: np.ndarray, up_
 
 def has_int_pool(gate_type: int, up_type: int, down_type: int) -> bool:
     """Whether swiglu_experts(..., quantized_activations=True) has its integer path for these types."""
-    return (gate_type == up_type and bool(has_int_dot(gate_type)) and bool(has_int_dot(down_type)))
+    return gate_type == up_type and has_int_dot(gate_type) and has_int_dot(down_type)
 
 
 def swiglu_experts(gate: np.ndarray, gate_type: int, up: np.ndarray, up_type: int, down: np.ndarray, down_type: int,
@@ -325,7 +325,8 @@ def swiglu_experts(gate: np.ndarray, gate_type: int, up: np.ndarray, up_type: in
             raise ValueError("expert tensors must be C-contiguous (as they lie in the file)")
     ids = np.ascontiguousarray(ids, np.int64).reshape(-1)
     weights = np.ascontiguousarray(weights, np.float32).reshape(-1)
-    if ids.shape != weights.shape or (ids.size and (ids.min() < 0 or ids.max() >= n_experts)):
+    listed = ids.tolist()  # k numbers: a list's min and max cost a fraction of numpy's reductions
+    if ids.shape != weights.shape or (listed and (min(listed) < 0 or max(listed) >= n_experts)):
         raise ValueError(f"ids must be {weights.shape[0]} expert numbers below {n_experts}, got {ids}")
     if quantized_activations:
         if not has_int_pool(gate_type, up_type, down_type):

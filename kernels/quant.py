@@ -100,19 +100,13 @@ def dequantize(data: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.n
     return out.reshape(shape)
 
 
-def _q8_codes(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """ggml's int8 activations of x [k] (Q8_0 for block 32, Q8_K for 256): codes and block scales."""
+def quantize_q8_blocks(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ggml's int8 activations of x [k] (Q8_0 for block 32, Q8_K for 256): codes, block scales and the codes'
+    16-sums (what the integer dots take)."""
     xq = np.empty(x.shape[0], np.int8)
     xd = np.empty(x.shape[0] // block, np.float32)
-    quant_int.quantize_q8(x, block, xq, xd)
-    return xq, xd
-
-
-def quantize_q8_blocks(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The codes and block scales of _q8_codes, and the codes' 16-sums (what the integer dots take)."""
-    xq, xd = _q8_codes(x, block)
     xs16 = np.empty(x.shape[0] // 16, np.int32)
-    quant_int.sums16(xq, xs16)
+    quant_int.quantize_q8_sums(x, block, xq, xd, xs16)
     return xq, xd, xs16
 
 

@@ -192,10 +192,13 @@ def matmul_rows(t, w, x, out):
                 out[j, r] = _dot(buf, x[j])
 
 
-@numba.njit(nogil=True, fastmath=False)
-def has_int_dot(t):
-    """Types with an integer dot product against ggml-quantized activations (quant_int)."""
-    return t == Q8_0 or t == Q4_K or t == Q6_K or t == IQ2_XS or t == Q2_K or t == Q2_0
+# Types with an integer dot product against ggml-quantized activations (int_dot's branches).
+INT_DOT_TYPES = frozenset({Q8_0, Q4_K, Q6_K, IQ2_XS, Q2_K, Q2_0})
+
+
+def has_int_dot(t: int) -> bool:
+    """Whether type t has an integer dot (asked from Python before each product: a set, not a kernel call)."""
+    return t in INT_DOT_TYPES
 
 
 @numba.njit(inline="always", nogil=True)

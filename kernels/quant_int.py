@@ -97,6 +97,13 @@ def sums16(xq, out):
         out[j] = s
 
 
+@numba.njit(nogil=True, cache=True, fastmath=False)
+def quantize_q8_sums(x, block, xq, xd, xs16):
+    """quantize_q8 then sums16 of the codes: what the integer dots take, in one call from Python."""
+    quantize_q8(x, block, xq, xd)
+    sums16(xq, xs16)
+
+
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def idot_q8_0(src, xq, xd):
     """One Q8_0 row (fp16 d, 32 int8 per block) times Q8_0 activations."""

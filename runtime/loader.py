@@ -67,12 +67,13 @@ class Runtime:
 
     def _check_tokens(self, state: SequenceState, token_ids: np.ndarray) -> np.ndarray:
         tokens = np.asarray(token_ids)
-        if tokens.ndim != 1 or not (np.issubdtype(tokens.dtype, np.integer) or tokens.size == 0):
+        if tokens.ndim != 1 or not (tokens.dtype.kind in "iu" or tokens.size == 0):  # signed or unsigned ints
             raise ValueError(f"token_ids must be a 1-D array of integer token ids, got {tokens.dtype} {tokens.shape}")
         if tokens.size == 0:
             raise ValueError("token_ids is empty: give at least one token")
-        bad = np.flatnonzero((tokens < 0) | (tokens >= self.config.vocab_size))
-        if bad.size:
+        listed = tokens.tolist()  # a decode step's one id: cheaper as a list than through numpy's reductions
+        if min(listed) < 0 or max(listed) >= self.config.vocab_size:
+            bad = np.flatnonzero((tokens < 0) | (tokens >= self.config.vocab_size))
             raise ValueError(f"token id {int(tokens[bad[0]])} at index {int(bad[0])} is outside the vocabulary "
                              f"[0, {self.config.vocab_size})")
         if state.position + tokens.size > state.max_context:

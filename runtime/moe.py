@@ -12,9 +12,11 @@ where each expert runs is this module's business alone: architecture files only 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 from strata_async.kernels.expert_pool import add_scaled_rows
+from strata_async.kernels.routing import softmax_topk
 
 from .device import Device
 from .layers import sigmoid, swiglu
@@ -44,20 +46,18 @@ class SharedExpert:
     down: QTensor  # [hidden, shared_ffn]
     gate_inp: QTensor | None  # [1, hidden]: the output is scaled by sigmoid(gate_inp . x); None: unscaled
 
+    @cached_property
+    def as_pool(self) -> tuple[QTensor, QTensor, QTensor]:
+        """gate, up and down as 3-D expert tensors of one expert (views), for the device's expert pool."""
+        return _as_pool(self.gate), _as_pool(self.up), _as_pool(self.down)
+
 
 def route_softmax_topk(logits: np.ndarray, k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
     """Softmax over experts, keep the k largest per token, optionally renormalised to sum to 1.
 
-    logits [n, n_experts] -> (expert ids [n, k] int64, weights [n, k] float32), largest first.
+    logits [n, n_experts] -> (expert ids [n, k] int64, weights [n, k] float32), largest first (one kernel call).
     """
-    z = logits - logits.max(axis=-1, keepdims=True)
-    probs = np.exp(z)
-    probs /= probs.sum(axis=-1, keepdims=True)
-    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
-    weights = np.take_along_axis(probs, ids, axis=-1)
-    if normalize:
-        weights = weights / weights.sum(axis=-1, keepdims=True)
-    return ids, weights.astype(np.float32)
+    return softmax_topk(logits, k, normalize)
 
 
 def _moe_decode(dev: Device, x: np.ndarray, experts: RoutedExperts, ids: np.ndarray, weights: np.ndarray,
@@ -67,12 +67,14 @@ def _moe_decode(dev: Device, x: np.ndarray, experts: RoutedExperts, ids: np.ndar
     if not dev.swiglu_experts(x[0], experts.gate, experts.up, experts.down, ids[0], weights[0], out):
         return False
     if shared is not None:
-        scale = np.ones(1, np.float32)
-        if shared.gate_inp is not None:
-            scale = sigmoid(dev.linear(x, shared.gate_inp))[0]
-        dev.swiglu_experts(x[0], _as_pool(shared.gate), _as_pool(shared.up), _as_pool(shared.down),
-                           np.zeros(1, np.int64), scale, out)
+        scale = _UNSCALED if shared.gate_inp is None else sigmoid(dev.linear(x, shared.gate_inp))[0]
+        dev.swiglu_experts(x[0], *shared.as_pool, _EXPERT_0, scale, out)
     return True
+
+
+# The shared expert's arguments to the pool: expert 0 of its one-expert view, weight 1 (read, never written).
+_EXPERT_0 = np.zeros(1, np.int64)
+_UNSCALED = np.ones(1, np.float32)
 
 
 def _as_pool(w: QTensor) -> QTensor:
