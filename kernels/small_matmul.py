@@ -5,6 +5,9 @@ where calling out to BLAS per block is not possible from nopython code."""
 import numba
 import numpy as np
 
+from .simd import (fdot_nt_1x1, fdot_nt_1x4, fdot_nt_2x1, fdot_nt_2x4, fdot_nt_3x1, fdot_nt_3x4, fdot_nt_4x1,
+                   fdot_nt_4x4)
+
 # Reassociation lets LLVM vectorize dot products; the no-NaN/no-inf assumptions stay off so that
 # exp underflow, -inf masks and SiLU of large negatives behave exactly as in IEEE arithmetic.
 FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
@@ -62,3 +65,69 @@ def matmul_nt(a, b, c, m, n, k, accumulate):
             if not accumulate:
                 c[t, j] = np.float32(0.0)
             c[t, j] += s0
+
+
+# Length of the k-chunks matmul_nt_regs works through: 4 rows of B and all of A's rows over 512 values
+# (2 KB each) stay in the 48 KB L1 cache while every block of A's rows passes over them.
+_KC = 512
+
+
+@numba.njit(inline="always", nogil=True)
+def _fdot_nt(mr, nr, a, ao, lda, b, bo, ldb, k16, c, co, ldc, accumulate):
+    """The simd.fdot_nt_<mr>x<nr> block for mr in 1..4, nr in (1, 4)."""
+    if nr == 4:
+        if mr == 4:
+            fdot_nt_4x4(a, ao, lda, b, bo, ldb, k16, c, co, ldc, accumulate)
+        elif mr == 3:
+            fdot_nt_3x4(a, ao, lda, b, bo, ldb, k16, c, co, ldc, accumulate)
+        elif mr == 2:
+            fdot_nt_2x4(a, ao, lda, b, bo, ldb, k16, c, co, ldc, accumulate)
+        else:
+            fdot_nt_1x4(a, ao, lda, b, bo, ldb, k16, c, co, ldc, accumulate)
+    elif mr == 4:
+        fdot_nt_4x1(a, ao, lda, b, bo, ldb, k16, c, co, ldc, accumulate)
+    elif mr == 3:
+        fdot_nt_3x1(a, ao, lda, b, bo, ldb, k16, c, co, ldc, accumulate)
+    elif mr == 2:
+        fdot_nt_2x1(a, ao, lda, b, bo, ldb, k16, c, co, ldc, accumulate)
+    else:
+        fdot_nt_1x1(a, ao, lda, b, bo, ldb, k16, c, co, ldc, accumulate)
+
+
+@numba.njit(nogil=True, cache=True, fastmath=FASTMATH)
+def matmul_nt_at(a, ao, lda, b, bo, ldb, c, co, ldc, m, n, k, accumulate):
+    """C = A B^T on C-contiguous arrays addressed by flat element offsets and row strides: c[co + t ldc + j]
+    (+)= sum_{i < k} a[ao + t lda + i] b[bo + j ldb + i] for t < m, j < n. Register-blocked 4 x 4 dot products
+    over 16-lane vectors (simd.fdot_nt_*), the edges in narrower blocks, the last k % 16 terms in a scalar loop.
+    Meant for operands in cache: callers chunk long k (matmul_nt_regs)."""
+    k16 = k // 16
+    j = 0
+    while j < n:  # B's rows 4 at a time (they stay in L1 while A's rows pass over them), then one at a time
+        nr = 4 if n - j >= 4 else 1
+        for t in range(0, m, 4):
+            _fdot_nt(min(4, m - t), nr, a, ao + t * lda, lda, b, bo + j * ldb, ldb, k16, c, co + t * ldc + j, ldc,
+                     accumulate)
+        j += nr
+    if 16 * k16 < k:
+        af, bf, cf = a.reshape(-1), b.reshape(-1), c.reshape(-1)
+        for t in range(m):
+            for j in range(n):
+                s = np.float32(0.0)
+                for i in range(16 * k16, k):
+                    s += af[ao + t * lda + i] * bf[bo + j * ldb + i]
+                if k16 == 0 and not accumulate:
+                    cf[co + t * ldc + j] = s
+                else:
+                    cf[co + t * ldc + j] += s
+
+
+@numba.njit(nogil=True, cache=True, fastmath=FASTMATH)
+def matmul_nt_regs(a, b, c, m, n, k, accumulate):
+    """matmul_nt for C-contiguous operands: matmul_nt_at over k in chunks of _KC."""
+    if k == 0:
+        if not accumulate:
+            c[:m, :n] = np.float32(0.0)
+        return
+    for kc in range(0, k, _KC):
+        matmul_nt_at(a, kc, a.shape[1], b, kc, b.shape[1], c, 0, c.shape[1], m, n, min(_KC, k - kc),
+                     accumulate or kc > 0)
