@@ -330,24 +330,35 @@ def _u64_table(ty) -> bool:
 def _grid_lookup(context, builder, grid_ty, grid, signs_ty, signs, q_ty, q, qo, n):
     """The values of n i-quant groups whose uint16 codes start at byte qo of q: each group's 8 grid bytes
     (magnitudes) and 8 sign-mask bytes (0xFF where negative), as two <8 n x i8>; the masks from the signs
-    table, or computed where it is None."""
+    table, or computed where it is None. With computed signs the n grid points are fetched by one gather
+    (vpgatherqq where the CPU has it): the IQ2_XS integer dot went from 0.17 to 0.10-0.12 ns per weight against
+    a load and a lane insert per group; the table path keeps those (its decode gained nothing from a gather)."""
     computed_signs = signs_ty is None
     i16, i64 = ir.IntType(16), ir.IntType(64)
     codes = _load_vec(context, builder, q_ty, q, qo, i16, n)
     grid_data = context.make_array(grid_ty)(context, builder, grid).data
-    signs_data = None if computed_signs else context.make_array(signs_ty)(context, builder, signs).data
+    if computed_signs:
+        vi = ir.VectorType(i64, n)
+        points = builder.and_(builder.zext(codes, vi), ir.Constant(vi, [511] * n))
+        addrs = builder.add(_splat(builder, builder.ptrtoint(grid_data, i64), n, 64),
+                            builder.shl(points, ir.Constant(vi, [3] * n)))  # 8 bytes a grid point
+        pty = ir.VectorType(i64.as_pointer(), n)
+        i1v = ir.VectorType(ir.IntType(1), n)
+        gather = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vi, [pty, _I32, i1v, vi]),
+                                                f"llvm.masked.gather.v{n}i64.v{n}p0")
+        g = builder.call(gather, [builder.inttoptr(addrs, pty), ir.Constant(_I32, 8), ir.Constant(i1v, [1] * n),
+                                  ir.Constant(vi, ir.Undefined)])
+        return builder.bitcast(g, ir.VectorType(_I8, 8 * n)), _sign_masks(builder, codes, n)
+    signs_data = context.make_array(signs_ty)(context, builder, signs).data
     g = ir.Constant(ir.VectorType(i64, n), ir.Undefined)
     m = ir.Constant(ir.VectorType(i64, n), ir.Undefined)
     for lane in range(n):
         code = builder.zext(builder.extract_element(codes, ir.Constant(_I32, lane)), i64)
         point = builder.and_(code, ir.Constant(i64, 511))
         g = builder.insert_element(g, builder.load(builder.gep(grid_data, [point])), ir.Constant(_I32, lane))
-        if not computed_signs:
-            sign = builder.lshr(code, ir.Constant(i64, 9))
-            m = builder.insert_element(m, builder.load(builder.gep(signs_data, [sign])), ir.Constant(_I32, lane))
+        sign = builder.lshr(code, ir.Constant(i64, 9))
+        m = builder.insert_element(m, builder.load(builder.gep(signs_data, [sign])), ir.Constant(_I32, lane))
     v8 = ir.VectorType(_I8, 8 * n)
-    if computed_signs:
-        return builder.bitcast(g, v8), _sign_masks(builder, codes, n)
     return builder.bitcast(g, v8), builder.bitcast(m, v8)
 
 
