@@ -19,13 +19,12 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .quant import _check_weights, _format, quantize_activations, quantize_q8_blocks
+from .quant import _check_weights, _format, quantize_activations
 from .quant_dispatch import (_FASTMATH, _dot, dequant_row, fused_dot, has_fused_dot, has_int_dot, int_dot,
                              prefetch_row)
 from .quant_dot import block_sums32
 from .quant_int import quantize_q8, sums16
 from .small_matmul import matmul_nt_regs
-from .quant_k import Q2_K, Q4_K, Q6_K
 
 _ROWS_PER_TASK = 16  # rows per parallel task: enough work per task, enough tasks for every core
 
@@ -204,52 +203,6 @@ def _experts_down_grouped(td, down, h, group_experts, group_starts, y):
                 y[p0 + p, r0 + r] = yv[p, r]
 
 
-@numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
-def _experts_gate_up_grouped_int(tg, gate, tu, up, xq, xd, xs, pair_tokens, group_experts, group_starts, h):
-    """_experts_gate_up_grouped with integer dots: the tokens' int8 codes xq [n, hidden], block scales xd and
-    16-sums xs (one row per token); the weight rows are read in place, never decoded."""
-    ffn = gate.shape[1]
-    per_group = (ffn + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
-    for task in numba.prange(group_experts.shape[0] * per_group):
-        g, r0, r1 = _task_rows(task, per_group, ffn)
-        e = group_experts[g]
-        for r in range(r0, r1):
-            for p in range(group_starts[g], group_starts[g + 1]):
-                t = pair_tokens[p]
-                gv = int_dot(tg, gate[e, r], xq[t], xd[t], xs[t])
-                h[p, r] = gv / (np.float32(1.0) + np.exp(-gv)) * int_dot(tu, up[e, r], xq[t], xd[t], xs[t])
-
-
-@numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
-def _experts_down_grouped_int(td, down, hq, hd, hs, group_experts, group_starts, y):
-    """_experts_down_grouped with integer dots against each pair's quantized SwiGLU output."""
-    hidden = down.shape[1]
-    per_group = (hidden + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
-    for task in numba.prange(group_experts.shape[0] * per_group):
-        g, r0, r1 = _task_rows(task, per_group, hidden)
-        e = group_experts[g]
-        for r in range(r0, r1):
-            for p in range(group_starts[g], group_starts[g + 1]):
-                y[p, r] = int_dot(td, down[e, r], hq[p], hd[p], hs[p])
-
-
-# Types whose grouped prefill call (quantized activations) takes an integer dot per (row, token) pair: there
-# each pair re-reads the row's codes, where the float path decodes a row once for all its tokens. Per layer of
-# 512 experts x 5 tokens (2 threads, both paths alternating): Q4_K 0.33-0.41 s int vs 0.40-0.46 float, Q6_K
-# 0.38 vs 0.46-0.53, Q2_K 0.29 vs 0.46-0.53; Q8_0 0.50-0.57 vs 0.39-0.52 and IQ2_XS 0.96-1.27 vs 0.52 (its grid
-# look-ups are the decode) stay on the float path with the activations rounded the same way. Those float timings
-# predate the float path's tiles (fc42bbf: gate/up 0.50 -> 0.36 s per layer on the Q8_0 file), so the choice for
-# the K-quants is due a new side-by-side measurement on a file whose routing spreads tokens as a real model's.
-_GROUPED_INT_TYPES = frozenset((Q4_K, Q6_K, Q2_K))
-
-
-def _quantize_rows(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each row of x [n, k] rounded as ggml rounds activations: int8 codes, block scales, 16-sums, one row each."""
-    xq, xd, xs = quantize_q8_blocks(np.ascontiguousarray(x, np.float32).reshape(-1), block)
-    n = x.shape[0]
-    return xq.reshape(n, -1), xd.reshape(n, -1), xs.reshape(n, -1)
-
-
 def swiglu_experts_grouped(gate: np.ndarray, gate_type: int, up: np.ndarray, up_type: int, down: np.ndarray,
                            down_type: int, x: np.ndarray, pair_tokens: np.ndarray, group_experts: np.ndarray,
                            group_starts: np.ndarray, quantized_activations: bool = False) -> np.ndarray:
@@ -282,20 +235,13 @@ def swiglu_experts_grouped(gate: np.ndarray, gate_type: int, up: np.ndarray, up_
     x = np.ascontiguousarray(x, np.float32)
     h = np.empty((pair_tokens.shape[0], ffn), np.float32)
     y = np.empty((pair_tokens.shape[0], hidden), np.float32)
-    if quantized_activations and gate_type == up_type and gate_type in _GROUPED_INT_TYPES:
-        _experts_gate_up_grouped_int(int(gate_type), gate, int(up_type), up,
-                                     *_quantize_rows(x, _format(gate_type).act_block), pair_tokens, group_experts,
-                                     group_starts, h)
-    else:
-        xr = quantize_activations(x, gate_type) if quantized_activations else x
-        _experts_gate_up_grouped(int(gate_type), gate, int(up_type), up, xr[pair_tokens], group_experts,
-                                 group_starts, h)
-    if quantized_activations and down_type in _GROUPED_INT_TYPES:
-        _experts_down_grouped_int(int(down_type), down, *_quantize_rows(h, _format(down_type).act_block),
-                                  group_experts, group_starts, y)
-    else:
-        hr = quantize_activations(h, down_type) if quantized_activations else h
-        _experts_down_grouped(int(down_type), down, hr, group_experts, group_starts, y)
+    # With quantized activations the float path multiplies the rounded values: integer dots per (row, token)
+    # re-read each row for every token and were slower even where ggml's types have them (one thread, 48
+    # experts x 11 tokens: Q4_K 1363 vs 1055 us per expert, Q6_K 1571 vs 1104, Q2_K 1224 vs 1182).
+    xr = quantize_activations(x, gate_type) if quantized_activations else x
+    _experts_gate_up_grouped(int(gate_type), gate, int(up_type), up, xr[pair_tokens], group_experts, group_starts, h)
+    hr = quantize_activations(h, down_type) if quantized_activations else h
+    _experts_down_grouped(int(down_type), down, hr, group_experts, group_starts, y)
     return y
 
 
