@@ -468,6 +468,37 @@ def idot_iq2_xs_block(typingctx, grid, src, o, x, xo):
     return types.int32(grid, src, o, x, xo), codegen
 
 
+@intrinsic
+def fdot_iq2_xs_block(typingctx, grid, src, o, x, xo):
+    """idot_iq2_xs_block with float32 activations: sum over the block's 256 values of (2 s + 1) * signed grid
+    value * x[xo + i]. The grid points come by gather, the signs from the code bits; value times run scale is an
+    exact int16 product (|value| <= 43, 2 s + 1 <= 31), converted once and multiply-added with x."""
+    if not (_u64_table(grid) and _byte_array(src) and _float_array(x)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        grid_ty, grid_v, src_ty, src_v, o_v, x_ty, x_v, xo_v = (
+            sig.args[0], args[0], sig.args[1], args[1], args[2], sig.args[3], args[3], args[4])
+        f32, i16 = ir.FloatType(), ir.IntType(16)
+        fl = ("reassoc", "nsz", "contract")
+        total = None
+        for step in range(4):  # 64 values: eight groups, scale bytes 2 step and 2 step + 1
+            g8, m8 = _grid_lookup(context, builder, grid_ty, grid_v, None, None, src_ty, src_v,
+                                  _at(builder, o_v, 2 + 16 * step), 8)
+            values = builder.sext(_negate_where(builder, g8, m8), ir.VectorType(i16, 64))
+            sb = _load(context, builder, src_ty, src_v, _at(builder, o_v, 66 + 2 * step), 2)
+            nib = builder.and_(builder.lshr(builder.shuffle_vector(sb, sb, _vec_const(32, [0, 0, 1, 1])),
+                                            _vec_const(8, [0, 4, 0, 4])), _vec_const(8, [15] * 4))
+            sc4 = builder.add(builder.shl(builder.zext(nib, ir.VectorType(i16, 4)), _vec_const(16, [1] * 4)),
+                              _vec_const(16, [1] * 4))  # 2 s + 1, one per 16 values
+            scaled = builder.mul(values, _shuffle(builder, sc4, [k // 16 for k in range(64)]))
+            xv = _load_vec(context, builder, x_ty, x_v, _at(builder, xo_v, 64 * step), f32, 64)
+            part = builder.fmul(builder.sitofp(scaled, ir.VectorType(f32, 64)), xv, flags=fl)
+            total = part if total is None else builder.fadd(total, part, flags=fl)
+        return _reduce_fadd(builder, total, 64)
+    return types.float32(grid, src, o, x, xo), codegen
+
+
 def _reduce_fadd(builder, vec, n):
     """Sum of a <n x float> in any order (a tree of vector adds)."""
     f32 = ir.FloatType()
