@@ -7,10 +7,10 @@ Two measurements on the same warmed-up sequence:
    timestamps;
 2. time inside compiled (Numba) kernels: every kernel of strata_async.kernels that Python calls is wrapped,
    for the timed tokens only, in a timer (two perf_counter reads, ~0.2 us a call), and the tokens' wall time
-   minus the kernels' is the time outside them: Python, numpy glue, argument checks. A kernel's time
-   includes Numba's entry into it (typing its arguments: ~1-2 us a call, measured here with an empty kernel
-   and reported as an estimate). An earlier version took kernel times from cProfile, which slows every
-   Python call and made the outside share look 1.5x larger than it is.
+   minus the kernels' is the time outside them: Python, numpy glue, argument checks (median over tokens).
+   A kernel's time includes Numba's entry into it (typing its arguments: ~1 us a call, measured here with an
+   empty kernel and reported as an estimate). An earlier version took kernel times from cProfile, which slows
+   every Python call and made the outside share look 1.5x larger than it is.
 Writes bench/results/profile_<tag>.json and prints a markdown table.
 """
 
@@ -111,18 +111,25 @@ def main() -> int:
 
     kernel_s: Counter = Counter()
     kernel_calls: Counter = Counter()
+    token_walls, token_kernels = [], []
     with kernel_timers(kernel_s, kernel_calls):
-        t0 = time.perf_counter()
         for _ in range(a.tokens):
+            k0 = sum(kernel_s.values())
+            t0 = time.perf_counter()
             logits = rt.forward(state, np.array([int(logits[-1].argmax())]), all_logits=False)
-        timed_wall = (time.perf_counter() - t0) / a.tokens
-    kernels = sum(kernel_s.values()) / a.tokens
+            token_walls.append(time.perf_counter() - t0)
+            token_kernels.append(sum(kernel_s.values()) - k0)
+    # Medians over tokens: on a shared machine a token now and then loses the CPU for milliseconds, and in a
+    # mean that stall would land on whichever side it happened to hit.
+    timed_wall = float(np.median(token_walls))
+    outside = float(np.median(np.subtract(token_walls, token_kernels)))
+    kernels = timed_wall - outside
     calls = sum(kernel_calls.values()) / a.tokens
     entry = kernel_entry_seconds()
     result = {"model": a.model, "threads": a.threads, "tokens": a.tokens, "quantized_activations": a.int8,
               "wall_ms": 1e3 * float(np.median(walls)), "timed_wall_ms": 1e3 * timed_wall,
-              "kernel_ms": 1e3 * kernels, "outside_kernels_ms": 1e3 * (timed_wall - kernels),
-              "outside_fraction": (timed_wall - kernels) / timed_wall,
+              "kernel_ms": 1e3 * kernels, "outside_kernels_ms": 1e3 * outside,
+              "outside_fraction": outside / timed_wall,
               "kernel_calls_per_token": calls, "kernel_entry_us": 1e6 * entry,
               "kernel_entry_ms_estimate": 1e3 * entry * calls,
               "kernels_ms": {k: 1e3 * v / a.tokens for k, v in kernel_s.most_common()},
