@@ -327,6 +327,10 @@ def _u64_table(ty) -> bool:
     return _array_1d(ty, types.uint64)
 
 
+# How LLVM spells an i64 pointer in overloaded intrinsic names: opaque "p0" from LLVM 17 on, "p0i64" before.
+_PTR_MANGLE = "p0" if llvm.llvm_version_info[0] >= 17 else "p0i64"
+
+
 def _grid_lookup(context, builder, grid_ty, grid, signs_ty, signs, q_ty, q, qo, n):
     """The values of n i-quant groups whose uint16 codes start at byte qo of q: each group's 8 grid bytes
     (magnitudes) and 8 sign-mask bytes (0xFF where negative), as two <8 n x i8>; the masks from the signs
@@ -345,7 +349,7 @@ def _grid_lookup(context, builder, grid_ty, grid, signs_ty, signs, q_ty, q, qo, 
         pty = ir.VectorType(i64.as_pointer(), n)
         i1v = ir.VectorType(ir.IntType(1), n)
         gather = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vi, [pty, _I32, i1v, vi]),
-                                                f"llvm.masked.gather.v{n}i64.v{n}p0")
+                                                f"llvm.masked.gather.v{n}i64.v{n}{_PTR_MANGLE}")
         g = builder.call(gather, [builder.inttoptr(addrs, pty), ir.Constant(_I32, 8), ir.Constant(i1v, [1] * n),
                                   ir.Constant(vi, ir.Undefined)])
         return builder.bitcast(g, ir.VectorType(_I8, 8 * n)), _sign_masks(builder, codes, n)
