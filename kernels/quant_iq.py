@@ -14,7 +14,7 @@ from gguf import quants as gguf_quants
 
 from .ggml_blocks import f16, half_to_float, u16, u32
 from .quant import register_type
-from .simd import dequant_grid8x4, fdot_iq2_xs_block, idot_iq2_xs_block
+from .simd import dequant_iq2_xs_block, fdot_iq2_xs_block, idot_iq2_xs_block
 
 IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M = 16, 17, 18, 19, 21, 22, 29
 _QK = 256
@@ -49,7 +49,6 @@ _SIGN8 = np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, -1.0, 1.0).asty
 # The same tables as vector lanes (kernels/simd): IQ2_XS grid points as 8 bytes in a uint64 (the integer dot and
 # the decoder), and each sign index's 8 signs as 0xFF (negative) / 0x00 bytes (the decoder; the dot computes them).
 _IQ2XS_GRID64 = np.ascontiguousarray(_IQ2XS_GRID.astype(np.uint8)).view(np.uint64).reshape(-1)
-_KSIGNS64 = np.ascontiguousarray(np.where(_SIGN8[_KSIGNS] < 0, 0xFF, 0).astype(np.uint8)).view(np.uint64).reshape(-1)
 
 
 @numba.njit(inline="always", nogil=True)
@@ -87,12 +86,7 @@ def dequant_iq2_xs(src, dst):
     # block: d fp16 | 32 x u16 (9-bit grid index, 7 sign bits) | 8 scale bytes (two 4-bit scales)   (74 bytes)
     for b in range(dst.shape[0] // _QK):
         o = b * 74
-        d = f16(src, o)
-        for ib in range(8):
-            sc = src[o + 66 + ib]
-            db0 = d * (np.float32(0.5) + np.float32(sc & 0xF)) * np.float32(0.25)
-            db1 = d * (np.float32(0.5) + np.float32(sc >> 4)) * np.float32(0.25)
-            dequant_grid8x4(_IQ2XS_GRID64, _KSIGNS64, src, o + 2 + 8 * ib, db0, db1, dst, b * _QK + 32 * ib)
+        dequant_iq2_xs_block(_IQ2XS_GRID64, src, o, f16(src, o), dst, b * _QK)
 
 
 @numba.njit(nogil=True, cache=True, fastmath=False)

@@ -331,39 +331,25 @@ def _u64_table(ty) -> bool:
 _PTR_MANGLE = "p0" if llvm.llvm_version_info[0] >= 17 else "p0i64"
 
 
-def _grid_lookup(context, builder, grid_ty, grid, signs_ty, signs, q_ty, q, qo, n):
-    """The values of n i-quant groups whose uint16 codes start at byte qo of q: each group's 8 grid bytes
-    (magnitudes) and 8 sign-mask bytes (0xFF where negative), as two <8 n x i8>; the masks from the signs
-    table, or computed where it is None. With computed signs the n grid points are fetched by one gather
-    (vpgatherqq where the CPU has it): the IQ2_XS integer dot went from 0.17 to 0.10-0.12 ns per weight against
-    a load and a lane insert per group; the table path keeps those (its decode gained nothing from a gather)."""
-    computed_signs = signs_ty is None
-    i16, i64 = ir.IntType(16), ir.IntType(64)
-    codes = _load_vec(context, builder, q_ty, q, qo, i16, n)
+def _grid_lookup(context, builder, grid_ty, grid, q_ty, q, qo, n):
+    """The values of n IQ2_XS groups whose uint16 codes start at byte qo of q: each group's 8 grid bytes
+    (magnitudes) and 8 sign-mask bytes (0xFF where negative), as two <8 n x i8>. The n grid points come by one
+    gather (vpgatherqq where the CPU has it; a load and a lane insert per group had made the integer dot 0.17
+    ns per weight, now 0.10-0.14), the signs from the code bits (no second table look-up)."""
+    i64 = ir.IntType(64)
+    codes = _load_vec(context, builder, q_ty, q, qo, ir.IntType(16), n)
     grid_data = context.make_array(grid_ty)(context, builder, grid).data
-    if computed_signs:
-        vi = ir.VectorType(i64, n)
-        points = builder.and_(builder.zext(codes, vi), ir.Constant(vi, [511] * n))
-        addrs = builder.add(_splat(builder, builder.ptrtoint(grid_data, i64), n, 64),
-                            builder.shl(points, ir.Constant(vi, [3] * n)))  # 8 bytes a grid point
-        pty = ir.VectorType(i64.as_pointer(), n)
-        i1v = ir.VectorType(ir.IntType(1), n)
-        gather = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vi, [pty, _I32, i1v, vi]),
-                                                f"llvm.masked.gather.v{n}i64.v{n}{_PTR_MANGLE}")
-        g = builder.call(gather, [builder.inttoptr(addrs, pty), ir.Constant(_I32, 8), ir.Constant(i1v, [1] * n),
-                                  ir.Constant(vi, ir.Undefined)])
-        return builder.bitcast(g, ir.VectorType(_I8, 8 * n)), _sign_masks(builder, codes, n)
-    signs_data = context.make_array(signs_ty)(context, builder, signs).data
-    g = ir.Constant(ir.VectorType(i64, n), ir.Undefined)
-    m = ir.Constant(ir.VectorType(i64, n), ir.Undefined)
-    for lane in range(n):
-        code = builder.zext(builder.extract_element(codes, ir.Constant(_I32, lane)), i64)
-        point = builder.and_(code, ir.Constant(i64, 511))
-        g = builder.insert_element(g, builder.load(builder.gep(grid_data, [point])), ir.Constant(_I32, lane))
-        sign = builder.lshr(code, ir.Constant(i64, 9))
-        m = builder.insert_element(m, builder.load(builder.gep(signs_data, [sign])), ir.Constant(_I32, lane))
-    v8 = ir.VectorType(_I8, 8 * n)
-    return builder.bitcast(g, v8), builder.bitcast(m, v8)
+    vi = ir.VectorType(i64, n)
+    points = builder.and_(builder.zext(codes, vi), ir.Constant(vi, [511] * n))
+    addrs = builder.add(_splat(builder, builder.ptrtoint(grid_data, i64), n, 64),
+                        builder.shl(points, ir.Constant(vi, [3] * n)))  # 8 bytes a grid point
+    pty = ir.VectorType(i64.as_pointer(), n)
+    i1v = ir.VectorType(ir.IntType(1), n)
+    gather = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vi, [pty, _I32, i1v, vi]),
+                                            f"llvm.masked.gather.v{n}i64.v{n}{_PTR_MANGLE}")
+    g = builder.call(gather, [builder.inttoptr(addrs, pty), ir.Constant(_I32, 8), ir.Constant(i1v, [1] * n),
+                              ir.Constant(vi, ir.Undefined)])
+    return builder.bitcast(g, ir.VectorType(_I8, 8 * n)), _sign_masks(builder, codes, n)
 
 
 def _sign_masks(builder, codes, n):
@@ -384,12 +370,6 @@ def _sign_masks(builder, codes, n):
 def _negate_where(builder, v, mask):
     """v negated in the lanes where mask is all ones (two's complement: (v ^ m) - m)."""
     return builder.sub(builder.xor(v, mask), mask)
-
-
-def _grid_values(context, builder, grid_ty, grid, signs_ty, signs, q_ty, q, qo):
-    """The 32 signed values <32 x i8> of four i-quant groups whose uint16 codes start at byte qo of q."""
-    g8, m8 = _grid_lookup(context, builder, grid_ty, grid, signs_ty, signs, q_ty, q, qo, 4)
-    return _negate_where(builder, g8, m8)
 
 
 @intrinsic
@@ -450,7 +430,7 @@ def idot_iq2_xs_block(typingctx, grid, src, o, x, xo):
         i16 = ir.IntType(16)
         total = None
         for step in range(4):  # 64 weights: eight groups, scale bytes 2 step and 2 step + 1
-            g8, m8 = _grid_lookup(context, builder, grid_ty, grid_v, None, None, src_ty, src_v,
+            g8, m8 = _grid_lookup(context, builder, grid_ty, grid_v, src_ty, src_v,
                                   _at(builder, o_v, 2 + 16 * step), 8)
             xs = _negate_where(builder, _load(context, builder, x_ty, x_v, _at(builder, xo_v, 64 * step), 64), m8)
             sb = _load(context, builder, src_ty, src_v, _at(builder, o_v, 66 + 2 * step), 2)
@@ -487,7 +467,7 @@ def fdot_iq2_xs_block(typingctx, grid, src, o, x, xo):
         fl = ("reassoc", "nsz", "contract")
         total = None
         for step in range(4):  # 64 values: eight groups, scale bytes 2 step and 2 step + 1
-            g8, m8 = _grid_lookup(context, builder, grid_ty, grid_v, None, None, src_ty, src_v,
+            g8, m8 = _grid_lookup(context, builder, grid_ty, grid_v, src_ty, src_v,
                                   _at(builder, o_v, 2 + 16 * step), 8)
             values = builder.sext(_negate_where(builder, g8, m8), ir.VectorType(i16, 64))
             sb = _load(context, builder, src_ty, src_v, _at(builder, o_v, 66 + 2 * step), 2)
@@ -616,20 +596,35 @@ def dequant_q6_half(typingctx, src, ql, qh, sc, d, dst, y):
 
 
 @intrinsic
-def dequant_grid8x4(typingctx, grid, signs, q, qo, s_lo, s_hi, dst, y):
-    """Four i-quant groups (see idot_iq2_xs_block) into dst[y:y+32]: s_lo * value for groups 0-1, s_hi for 2-3."""
-    if not (_u64_table(grid) and _u64_table(signs) and _byte_array(q) and _float_array(dst)):
+def dequant_iq2_xs_block(typingctx, grid, src, o, d, dst, y):
+    """One IQ2_XS block (74 bytes at src[o], its fp16 d given as a float) into dst[y:y+256]: per 16 values
+    (d * (0.5 + s) * 0.25) * signed grid value, ggml's operations in its order (bit-exact). Grid points by gather
+    and signs from the code bits, 64 values a step (a table look-up per group for the
+    signs and a load per grid point had cost 0.21-0.27 ns per value)."""
+    if not (_u64_table(grid) and _byte_array(src) and _float_array(dst)):
         return None
 
     def codegen(context, builder, sig, args):
-        vf = ir.VectorType(ir.FloatType(), 32)
-        values = _grid_values(context, builder, sig.args[0], args[0], sig.args[1], args[1], sig.args[2], args[2],
-                              args[3])
-        lo, hi = _splat_f(builder, args[4]), _splat_f(builder, args[5])
-        scales = builder.shuffle_vector(lo, hi, _vec_const(32, [0] * 16 + [32] * 16))
-        _store(context, builder, sig.args[6], args[6], args[7], builder.fmul(scales, builder.sitofp(values, vf)))
+        grid_ty, grid_v, src_ty, src_v, o_v, d_v, dst_ty, dst_v, y_v = (
+            sig.args[0], args[0], sig.args[1], args[1], args[2], args[3], sig.args[4], args[4], args[5])
+        f32 = ir.FloatType()
+        v4f = ir.VectorType(f32, 4)
+        d4 = _shuffle(builder, builder.insert_element(ir.Constant(v4f, ir.Undefined), d_v, ir.Constant(_I32, 0)),
+                      [0] * 4)
+        for step in range(4):  # 64 values: eight groups, scale bytes 2 step and 2 step + 1
+            g8, m8 = _grid_lookup(context, builder, grid_ty, grid_v, src_ty, src_v,
+                                  _at(builder, o_v, 2 + 16 * step), 8)
+            values = builder.sitofp(_negate_where(builder, g8, m8), ir.VectorType(f32, 64))
+            sb = _load(context, builder, src_ty, src_v, _at(builder, o_v, 66 + 2 * step), 2)
+            nib = builder.and_(builder.lshr(builder.shuffle_vector(sb, sb, _vec_const(32, [0, 0, 1, 1])),
+                                            _vec_const(8, [0, 4, 0, 4])), _vec_const(8, [15] * 4))
+            half = ir.Constant(v4f, [0.5] * 4)
+            db = builder.fmul(builder.fmul(d4, builder.fadd(half, builder.uitofp(nib, v4f))),
+                              ir.Constant(v4f, [0.25] * 4))
+            out = builder.fmul(_shuffle(builder, db, [k // 16 for k in range(64)]), values)
+            _store(context, builder, dst_ty, dst_v, _at(builder, y_v, 64 * step), out)
         return context.get_dummy_value()
-    return types.none(grid, signs, q, qo, types.float32, types.float32, dst, y), codegen
+    return types.none(grid, src, o, types.float32, dst, y), codegen
 
 
 @intrinsic
