@@ -413,6 +413,20 @@ def idot_q2_0_block(typingctx, src, o, x, xo, xs16, g):
     return types.UniTuple(types.int32, 2)(src, o, x, xo, xs16, g), codegen
 
 
+def _iq2_xs_run_scales(context, builder, src_ty, src, o, step):
+    """The four 4-bit scales s of step `step` (values 64 step .. 64 step + 63, one per 16) of the IQ2_XS block at
+    src[o], as <4 x i8>: low then high nibble of scale bytes 2 step and 2 step + 1."""
+    sb = _load(context, builder, src_ty, src, _at(builder, o, 66 + 2 * step), 2)
+    return builder.and_(builder.lshr(builder.shuffle_vector(sb, sb, _vec_const(32, [0, 0, 1, 1])),
+                                     _vec_const(8, [0, 4, 0, 4])), _vec_const(8, [15] * 4))
+
+
+def _odd_scales(builder, nib):
+    """2 s + 1 for each 4-bit scale s of <4 x i8>, as <4 x i16> (the integer form of ggml's (0.5 + s) / 4)."""
+    return builder.add(builder.shl(builder.zext(nib, ir.VectorType(ir.IntType(16), 4)), _vec_const(16, [1] * 4)),
+                       _vec_const(16, [1] * 4))
+
+
 @intrinsic
 def idot_iq2_xs_block(typingctx, grid, src, o, x, xo):
     """The integer sum of one IQ2_XS block (74 bytes at src[o]) times 256 int8 x[xo:]: per 16 values
@@ -427,17 +441,13 @@ def idot_iq2_xs_block(typingctx, grid, src, o, x, xo):
     def codegen(context, builder, sig, args):
         grid_ty, grid_v, src_ty, src_v, o_v, x_ty, x_v, xo_v = (
             sig.args[0], args[0], sig.args[1], args[1], args[2], sig.args[3], args[3], args[4])
-        i16 = ir.IntType(16)
         total = None
         for step in range(4):  # 64 weights: eight groups, scale bytes 2 step and 2 step + 1
             g8, m8 = _grid_lookup(context, builder, grid_ty, grid_v, src_ty, src_v,
                                   _at(builder, o_v, 2 + 16 * step), 8)
             xs = _negate_where(builder, _load(context, builder, x_ty, x_v, _at(builder, xo_v, 64 * step), 64), m8)
-            sb = _load(context, builder, src_ty, src_v, _at(builder, o_v, 66 + 2 * step), 2)
-            nib = builder.and_(builder.lshr(builder.shuffle_vector(sb, sb, _vec_const(32, [0, 0, 1, 1])),
-                                            _vec_const(8, [0, 4, 0, 4])), _vec_const(8, [15] * 4))
-            sc4 = builder.add(builder.shl(builder.zext(nib, ir.VectorType(i16, 4)), _vec_const(16, [1] * 4)),
-                              _vec_const(16, [1] * 4))  # 2 s + 1, one per 16 values
+            nib = _iq2_xs_run_scales(context, builder, src_ty, src_v, o_v, step)
+            sc4 = _odd_scales(builder, nib)
             if HAS_AVX512BW:
                 part = _madd_scaled(builder, g8, xs, _shuffle(builder, sc4, [k // 8 for k in range(32)]))
             else:
@@ -470,11 +480,8 @@ def fdot_iq2_xs_block(typingctx, grid, src, o, x, xo):
             g8, m8 = _grid_lookup(context, builder, grid_ty, grid_v, src_ty, src_v,
                                   _at(builder, o_v, 2 + 16 * step), 8)
             values = builder.sext(_negate_where(builder, g8, m8), ir.VectorType(i16, 64))
-            sb = _load(context, builder, src_ty, src_v, _at(builder, o_v, 66 + 2 * step), 2)
-            nib = builder.and_(builder.lshr(builder.shuffle_vector(sb, sb, _vec_const(32, [0, 0, 1, 1])),
-                                            _vec_const(8, [0, 4, 0, 4])), _vec_const(8, [15] * 4))
-            sc4 = builder.add(builder.shl(builder.zext(nib, ir.VectorType(i16, 4)), _vec_const(16, [1] * 4)),
-                              _vec_const(16, [1] * 4))  # 2 s + 1, one per 16 values
+            nib = _iq2_xs_run_scales(context, builder, src_ty, src_v, o_v, step)
+            sc4 = _odd_scales(builder, nib)
             scaled = builder.mul(values, _shuffle(builder, sc4, [k // 16 for k in range(64)]))
             xv = _load_vec(context, builder, x_ty, x_v, _at(builder, xo_v, 64 * step), f32, 64)
             part = builder.fmul(builder.sitofp(scaled, ir.VectorType(f32, 64)), xv, flags=fl)
@@ -615,9 +622,7 @@ def dequant_iq2_xs_block(typingctx, grid, src, o, d, dst, y):
             g8, m8 = _grid_lookup(context, builder, grid_ty, grid_v, src_ty, src_v,
                                   _at(builder, o_v, 2 + 16 * step), 8)
             values = builder.sitofp(_negate_where(builder, g8, m8), ir.VectorType(f32, 64))
-            sb = _load(context, builder, src_ty, src_v, _at(builder, o_v, 66 + 2 * step), 2)
-            nib = builder.and_(builder.lshr(builder.shuffle_vector(sb, sb, _vec_const(32, [0, 0, 1, 1])),
-                                            _vec_const(8, [0, 4, 0, 4])), _vec_const(8, [15] * 4))
+            nib = _iq2_xs_run_scales(context, builder, src_ty, src_v, o_v, step)
             half = ir.Constant(v4f, [0.5] * 4)
             db = builder.fmul(builder.fmul(d4, builder.fadd(half, builder.uitofp(nib, v4f))),
                               ir.Constant(v4f, [0.25] * 4))
