@@ -606,8 +606,8 @@ def dequant_q6_half(typingctx, src, ql, qh, sc, d, dst, y):
 def dequant_iq2_xs_block(typingctx, grid, src, o, d, dst, y):
     """One IQ2_XS block (74 bytes at src[o], its fp16 d given as a float) into dst[y:y+256]: per 16 values
     (d * (0.5 + s) * 0.25) * signed grid value, ggml's operations in its order (bit-exact). Grid points by gather
-    and signs from the code bits, 64 values a step (a table look-up per group for the
-    signs and a load per grid point had cost 0.21-0.27 ns per value)."""
+    and signs from the code bits, 64 values a step (a load per grid point and a table look-up per group for its
+    signs, 32 values a call, had cost 0.21-0.27 ns per value; this 0.16)."""
     if not (_u64_table(grid) and _byte_array(src) and _float_array(dst)):
         return None
 
