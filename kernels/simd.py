@@ -779,6 +779,41 @@ def dequant_q2_32(typingctx, src, qs, shift, dl0, ml0, dl1, ml1, dst, y):
 
 
 @intrinsic
+def fdot_q2_k_block(typingctx, src, o, x, y, d, dmin):
+    """One Q2_K block (84 bytes at src[o], its fp16 d and dmin given as floats) times float32 x[y:y+256]: per run
+    of 16 the weights (d * (sc & 15)) * code - dmin * (sc >> 4) are formed in vector lanes and multiply-added with
+    x, one reduction at the end (decoding the row first and dotting it had cost 0.26-0.32 ns per weight)."""
+    if not (_byte_array(src) and _float_array(x)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        src_ty, src_v, o_v, x_ty, x_v, y_v, d_v, dmin_v = (sig.args[0], args[0], args[1], sig.args[2], args[2],
+                                                           args[3], args[4], args[5])
+        f32 = ir.FloatType()
+        v16f, v32f = ir.VectorType(f32, 16), ir.VectorType(f32, 32)
+        fl = ("reassoc", "nsz", "contract")
+        sc = _load(context, builder, src_ty, src_v, o_v, 16)  # one (scale, min) byte per run of 16
+        dl = builder.fmul(_splat_f(builder, d_v, 16), builder.uitofp(builder.and_(sc, _vec_const(8, [15] * 16)), v16f))
+        ml = builder.fmul(_splat_f(builder, dmin_v, 16), builder.uitofp(builder.lshr(sc, _vec_const(8, [4] * 16)),
+                                                                          v16f))
+        total = None
+        for half in range(2):  # bits 2j..2j+1 of qs byte l (of 32) give weight 128 half + 32 j + l
+            q = _load(context, builder, src_ty, src_v, _at(builder, o_v, 16 + 32 * half), 32)
+            for j in range(4):
+                codes = builder.uitofp(builder.and_(builder.lshr(q, _vec_const(8, [2 * j] * 32)),
+                                                    _vec_const(8, [3] * 32)), v32f)
+                run = 8 * half + 2 * j
+                lanes = [run] * 16 + [run + 1] * 16
+                w = builder.fsub(builder.fmul(_shuffle(builder, dl, lanes), codes, flags=fl),
+                                 _shuffle(builder, ml, lanes), flags=fl)
+                xv = _load_vec(context, builder, x_ty, x_v, _at(builder, y_v, 128 * half + 32 * j), f32, 32)
+                part = builder.fmul(w, xv, flags=fl)
+                total = part if total is None else builder.fadd(total, part, flags=fl)
+        return _reduce_fadd(builder, total, 32)
+    return types.float32(src, o, x, y, types.float32, types.float32), codegen
+
+
+@intrinsic
 def prefetch(typingctx, src, off, n):
     """Ask for the cache lines of src[off:off + n] (a byte array; nothing is read or checked): the hardware
     prefetchers stop at each 4 KiB page, so a row a matrix-vector product reaches next is requested ahead."""
