@@ -14,7 +14,8 @@ from .quant_iq import (IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, deq
                        idot_iq2_xs)
 from .quant_k import (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, dequant_q2_k, dequant_q3_k, dequant_q4_k, dequant_q5_k,
                       dequant_q6_k, dot_q2_k)
-from .quant_legacy import Q2_0, Q4_0, Q4_1, Q5_0, Q5_1, dequant_q2_0, dequant_q4_0, dequant_q4_1, dequant_q5_0, dequant_q5_1
+from .quant_legacy import (Q2_0, Q4_0, Q4_1, Q5_0, Q5_1, dequant_q2_0, dequant_q4_0, dequant_q4_1, dequant_q5_0,
+                           dequant_q5_1, dot_q2_0)
 from .quant_dot import block_sums32, dot_q4_k, dot_q6_k, dot_q8_0
 from .quant_int import idot_q2_0, idot_q2_k, idot_q4_k, idot_q6_k, idot_q8_0
 from .simd import fdot_f32_64, prefetch
@@ -124,8 +125,8 @@ def _dot(a, b):
 @numba.njit(nogil=True, fastmath=False)
 def has_fused_dot(t):
     """Types whose rows are dotted with the activations straight from the blocks (quant_dot, quant_iq,
-    quant_k), F32 rows (a router, say) straight from their bytes."""
-    return t == Q8_0 or t == Q4_K or t == Q6_K or t == IQ2_XS or t == Q2_K or t == F32
+    quant_k, quant_legacy), F32 rows (a router, say) straight from their bytes."""
+    return t == Q8_0 or t == Q4_K or t == Q6_K or t == IQ2_XS or t == Q2_K or t == Q2_0 or t == F32
 
 
 @numba.njit(inline="always", nogil=True)
@@ -139,6 +140,8 @@ def fused_dot(t, src, x, xsum32):
         return dot_iq2_xs(src, x)
     if t == Q2_K:
         return dot_q2_k(src, x)
+    if t == Q2_0:
+        return dot_q2_0(src, x)
     if t == F32:
         return _dot(src.view(np.float32), x)
     return dot_q8_0(src, x)

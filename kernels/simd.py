@@ -814,6 +814,26 @@ def fdot_q2_k_block(typingctx, src, o, x, y, d, dmin):
 
 
 @intrinsic
+def fdot_q2_0_block(typingctx, src, o, x, y):
+    """sum over the 64 values of the Q2_0 block at src[o] (fp16 d, then 16 bytes of 2-bit codes, value j from bits
+    2 (j % 4) of byte j // 4) of (code - 1) * x[y + j]; the caller multiplies by d. Codes spread to 64 lanes by
+    one shuffle and a shift per lane (the scalar decode-then-dot had cost 0.25-0.31 ns per weight)."""
+    if not (_byte_array(src) and _float_array(x)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        f32 = ir.FloatType()
+        q = _load(context, builder, sig.args[0], args[0], _at(builder, args[1], 2), 16)
+        spread = builder.shuffle_vector(q, q, _vec_const(32, [j // 4 for j in range(64)]))
+        codes = builder.and_(builder.lshr(spread, _vec_const(8, [2 * (j % 4) for j in range(64)])),
+                             _vec_const(8, [3] * 64))
+        values = builder.sitofp(builder.sub(codes, _vec_const(8, [1] * 64)), ir.VectorType(f32, 64))
+        xv = _load_vec(context, builder, sig.args[2], args[2], args[3], f32, 64)
+        return _reduce_fadd(builder, builder.fmul(values, xv, flags=("reassoc", "nsz", "contract")), 64)
+    return types.float32(src, o, x, y), codegen
+
+
+@intrinsic
 def prefetch(typingctx, src, off, n):
     """Ask for the cache lines of src[off:off + n] (a byte array; nothing is read or checked): the hardware
     prefetchers stop at each 4 KiB page, so a row a matrix-vector product reaches next is requested ahead."""
