@@ -23,7 +23,7 @@ from .quant import _check_weights, _format, quantize_activations
 from .quant_dispatch import (_FASTMATH, _dot, dequant_row, fused_dot, has_fused_dot, has_int_dot, int_dot,
                              prefetch_row)
 from .quant_dot import block_sums32
-from .quant_int import quantize_q8, sums16
+from .quant_int import quantize_q8_sums
 from .small_matmul import matmul_nt_regs
 
 _ROWS_PER_TASK = 16  # rows per parallel task: enough work per task, enough tasks for every core
@@ -116,9 +116,8 @@ def _swiglu_experts_int(tg, gate, tu, up, td, down, x, x_block, h_block, ids, we
     hidden = down.shape[1]
     xq = np.empty(x.shape[0], np.int8)
     xd = np.empty(x.shape[0] // x_block, np.float32)
-    quantize_q8(x, x_block, xq, xd)
     xs = np.empty(x.shape[0] // 16, np.int32)
-    sums16(xq, xs)
+    quantize_q8_sums(x, x_block, xq, xd, xs)
     h = np.empty((k, ffn), np.float32)
     per_expert = (ffn + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
     for task in numba.prange(k * per_expert):
@@ -134,8 +133,7 @@ def _swiglu_experts_int(tg, gate, tu, up, td, down, x, x_block, h_block, ids, we
     hd = np.empty((k, ffn // h_block), np.float32)
     hs = np.empty((k, ffn // 16), np.int32)
     for j in range(k):  # ~1 us per expert: a parallel region here would cost ~100 us of waking the workers
-        quantize_q8(h[j], h_block, hq[j], hd[j])
-        sums16(hq[j], hs[j])
+        quantize_q8_sums(h[j], h_block, hq[j], hd[j], hs[j])
     per_expert = (hidden + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
     y = np.empty((k, hidden), np.float32)
     for task in numba.prange(k * per_expert):
