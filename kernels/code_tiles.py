@@ -1,0 +1,194 @@
+"""Weight rows decoded to integer codes for the integer matrix products (kernels/simd_gemm.py).
+
+Each type's rows become uint8 codes with a float scale and bias per sub-block (value = scale * code + bias),
+interleaved for 16 rows: word (4 codes) number s of row i lands at 32-bit word 16 s + i of the tile. Signed
+codes are offset to unsigned ones and the offset goes into the bias (Q8_0: code q + 128, bias -128 d), since
+vpdpbusd multiplies unsigned weight bytes with signed activation bytes. Every code is exact: the tile holds
+precisely the values ggml's blocks encode, as the float decoders do (tests compare both with gguf's dequantize).
+
+The tile of a prompt chunk's expert is decoded for a handful of tokens, so its decode is a real part of the work:
+each row's codes come from vector shifts and masks of its packed bytes (simd_gemm's unpackers, 32-64 codes a
+step) into a small staging chunk, and one 16 x 16 word transpose per 64 values interleaves 16 rows at once
+(in-cache 0.08-0.11 ns per weight for Q8_0, Q4_K, Q6_K, Q2_0, 0.15-0.16 for Q2_K and IQ2_XS; writing the words
+one by one at their interleaved places, with Numba's indexing, had cost 0.2-0.7).
+"""
+
+import numba
+import numpy as np
+
+from . import quant  # noqa: F401 - first: the format modules import each other through it
+from .ggml_blocks import f16
+from .quant_iq import _IQ2XS_GRID, _KSIGNS, IQ2_XS
+from .quant_k import Q2_K, Q4_K, Q6_K, _scale_min_k4
+from .quant_legacy import Q2_0
+from .quant_q8 import Q8_0
+from .simd_gemm import ROWS, crumb_codes64, interleave16, lookup_codes64, q6_codes32, unpack_codes32
+
+def _iq2_xs_codes() -> np.ndarray:
+    """IQ2_XS group (16 bits: grid point, 7 sign bits) -> its 8 codes 43 +- grid value as the bytes of a uint64
+    (the eighth sign makes the count of minus signs even, as ggml's ksigns): one look-up per 8 codes, 512 KiB."""
+    group = np.arange(1 << 16)
+    signs = _KSIGNS[group >> 9].astype(np.int64)
+    negative = (signs[:, None] >> np.arange(8)) & 1
+    codes = 43 + np.where(negative == 1, -1, 1) * _IQ2XS_GRID[group & 511].astype(np.int64)
+    return np.ascontiguousarray(codes.astype(np.uint8)).view(np.uint64).reshape(-1)
+
+
+_IQ2_XS_CODES = _iq2_xs_codes()
+# Types with a code tile, and their sub-block length (values per scale and bias).
+SUB_BLOCK = {Q8_0: 32, Q4_K: 32, Q2_0: 32, Q6_K: 16, Q2_K: 16, IQ2_XS: 16}
+
+
+@numba.njit(nogil=True, cache=True, fastmath=False)
+def sub_block(t):
+    """Values per scale of type t's code tiles (0: no code tile)."""
+    if t == Q8_0 or t == Q4_K or t == Q2_0:
+        return 32
+    if t == Q6_K or t == Q2_K or t == IQ2_XS:
+        return 16
+    return 0
+
+
+# Each decoder writes the codes of one row's values v0 .. v0 + len(dst) into dst (contiguous; interleave16
+# reorders them for 16 rows at once) and the scale and bias of their sub-blocks for tile row i.
+
+
+@numba.njit(inline="always", nogil=True)
+def _codes_q8_0(src, v0, dst, i, scale, bias):
+    for b in range(v0 // 32, (v0 + dst.shape[0]) // 32):
+        o = 34 * b
+        d = f16(src, o)
+        scale[ROWS * b + i] = d
+        bias[ROWS * b + i] = np.float32(-128.0) * d
+        unpack_codes32(src, o + 2, 0, 0xFF, 0x80, dst, 32 * b - v0)
+
+
+@numba.njit(inline="always", nogil=True)
+def _codes_q4_k(src, v0, dst, i, scale, bias):
+    b = v0 // 256
+    o = 144 * b
+    d = f16(src, o)
+    dmin = f16(src, o + 2)
+    for j in range(8):
+        sc, m = _scale_min_k4(src, o + 4, j)
+        scale[ROWS * (8 * b + j) + i] = d * np.float32(sc)
+        bias[ROWS * (8 * b + j) + i] = -(dmin * np.float32(m))
+    for g in range(4):  # 32 bytes: low nibbles are sub-block 2 g, high nibbles 2 g + 1
+        unpack_codes32(src, o + 16 + 32 * g, 0, 0xF, 0, dst, 64 * g)
+        unpack_codes32(src, o + 16 + 32 * g, 4, 0xF, 0, dst, 64 * g + 32)
+
+
+@numba.njit(inline="always", nogil=True)
+def _codes_q6_k(src, v0, dst, i, scale, bias):
+    b = v0 // 256
+    o = 210 * b
+    d = f16(src, o + 208)
+    for j in range(16):
+        dsc = d * np.float32(np.int8(src[o + 192 + j]))
+        scale[ROWS * (16 * b + j) + i] = dsc
+        bias[ROWS * (16 * b + j) + i] = np.float32(-32.0) * dsc
+    for half in range(2):  # value 128 half + 32 q + l: ql nibble, qh bit pair q (dequant_q6_k)
+        ql, qh, y = o + 64 * half, o + 128 + 32 * half, 128 * half
+        for q in range(4):  # quarter q: the low (q < 2) or high nibbles of ql bytes 32 (q % 2) + l
+            q6_codes32(src, ql + 32 * (q % 2), qh, 4 * (q // 2), 2 * q, dst, y + 32 * q)
+
+
+@numba.njit(inline="always", nogil=True)
+def _codes_q2_k(src, v0, dst, i, scale, bias):
+    b = v0 // 256
+    o = 84 * b
+    d = f16(src, o + 80)
+    dmin = f16(src, o + 82)
+    for j in range(16):  # sub-block j's (scale, min) byte
+        v = src[o + j]
+        scale[ROWS * (16 * b + j) + i] = d * np.float32(v & 0xF)
+        bias[ROWS * (16 * b + j) + i] = -(dmin * np.float32(v >> 4))
+    for half in range(2):  # value 128 half + 32 q + l: bits 2 q of qs byte 32 half + l
+        qs, y = o + 16 + 32 * half, 128 * half
+        for q in range(4):
+            unpack_codes32(src, qs, 2 * q, 3, 0, dst, y + 32 * q)
+
+
+@numba.njit(inline="always", nogil=True)
+def _codes_iq2_xs(src, v0, dst, i, scale, bias):
+    b = v0 // 256
+    o = 74 * b
+    d = f16(src, o)
+    for ib in range(8):
+        sc = src[o + 66 + ib]
+        for h in range(2):
+            db = d * (np.float32(0.5) + np.float32((sc >> (4 * h)) & 0xF)) * np.float32(0.25)
+            scale[ROWS * (16 * b + 2 * ib + h) + i] = db
+            bias[ROWS * (16 * b + 2 * ib + h) + i] = np.float32(-43.0) * db
+    for step in range(4):
+        lookup_codes64(_IQ2_XS_CODES, src, o + 2 + 16 * step, dst, 64 * step)
+
+
+@numba.njit(inline="always", nogil=True)
+def _codes_q2_0(src, v0, dst, i, scale, bias):
+    for b in range(v0 // 64, (v0 + dst.shape[0]) // 64):
+        o = 18 * b
+        d = f16(src, o)
+        for h in range(2):
+            scale[ROWS * (2 * b + h) + i] = d
+            bias[ROWS * (2 * b + h) + i] = -d
+        crumb_codes64(src, o + 2, dst, 64 * b - v0)
+
+
+@numba.njit(inline="always", nogil=True)
+def chunk_values(k):
+    """Values per chunk of a tile decode (code tiles need k a multiple of 64)."""
+    return 256 if k % 256 == 0 else 64
+
+
+@numba.njit(inline="always", nogil=True)
+def _zero_rows(n, v0, ch, sb, scale, bias, stage):
+    """Tile rows n .. 15 (past the matrix's end) of the chunk at v0: zero codes, scales and biases."""
+    for i in range(n, ROWS):
+        stage[i * ch:(i + 1) * ch] = 0
+        for j in range(v0 // sb, (v0 + ch) // sb):
+            scale[ROWS * j + i] = 0
+            bias[ROWS * j + i] = 0
+
+
+def _tile_decoder(codes, sb):
+    """The chunk loop of decode_tile for one type's codes function: one loop nest per type, since a branch on
+    the type inside it (six decoders inlined in one loop) made the decode ~3x slower."""
+
+    @numba.njit(inline="always", nogil=True)
+    def decode(w, r0, words, scale, bias, stage):
+        k = words.shape[0] // ROWS
+        ch = chunk_values(k)
+        n = min(ROWS, w.shape[0] - r0)
+        for v0 in range(0, k, ch):
+            for i in range(n):
+                codes(w[r0 + i], v0, stage[i * ch:(i + 1) * ch], i, scale, bias)
+            _zero_rows(n, v0, ch, sb, scale, bias, stage)
+            interleave16(stage, ch, words, 4 * v0)
+    return decode
+
+
+_tile_q8_0, _tile_q4_k, _tile_q6_k, _tile_q2_k, _tile_iq2_xs, _tile_q2_0 = (
+    _tile_decoder(codes, SUB_BLOCK[t])
+    for codes, t in ((_codes_q8_0, Q8_0), (_codes_q4_k, Q4_K), (_codes_q6_k, Q6_K), (_codes_q2_k, Q2_K),
+                     (_codes_iq2_xs, IQ2_XS), (_codes_q2_0, Q2_0)))
+
+
+@numba.njit(nogil=True, cache=True, fastmath=False)
+def decode_tile(t, w, r0, words, scale, bias, stage):
+    """Rows r0 .. r0 + 15 of w (uint8 [rows, row bytes], type t) into a code tile: words uint8 [16 k] (codes
+    interleaved), scale and bias float32 [k / sub_block(t) * 16]; stage: uint8 scratch [16 * chunk_values(k)].
+    Rows past the end of w get zero codes, scales and biases. A chunk of every row is decoded into stage, then
+    interleaved into the tile, so both stay in the first-level cache."""
+    if t == Q4_K:
+        _tile_q4_k(w, r0, words, scale, bias, stage)
+    elif t == Q8_0:
+        _tile_q8_0(w, r0, words, scale, bias, stage)
+    elif t == Q6_K:
+        _tile_q6_k(w, r0, words, scale, bias, stage)
+    elif t == Q2_K:
+        _tile_q2_k(w, r0, words, scale, bias, stage)
+    elif t == IQ2_XS:
+        _tile_iq2_xs(w, r0, words, scale, bias, stage)
+    elif t == Q2_0:
+        _tile_q2_0(w, r0, words, scale, bias, stage)

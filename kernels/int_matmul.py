@@ -1,0 +1,153 @@
+"""Matrix products of ggml weights with int8 activations on the integer codes (prompts, quantized activations).
+
+With ``quantized_activations`` the activations are rounded to int8 blocks as ggml rounds them, and the
+product of a weight block with them is an integer sum times float scales. For a prompt chunk, each tile of
+16 weight rows is decoded once to codes (kernels/code_tiles.py) and multiplied with every token by
+vpdpbusd blocks (kernels/simd_gemm.py): 64 multiply-adds per instruction, where float32 tiles into BLAS do 16.
+The results are the same sums as the float path's up to float32 rounding (the integer parts are exact).
+
+Activations go in as ``TokenCodes``: per token the int8 codes, and per sub-block of the weight type the
+activation block's scale and that scale times the sub-block's code sum (the bias term's factor).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numba
+import numpy as np
+
+from .code_tiles import SUB_BLOCK, chunk_values, decode_tile, sub_block
+from .quant_int import quantize_q8_sums
+from .simd_gemm import (HAS_VNNI, ROWS, codes_1x16, codes_1x32, codes_2x16, codes_2x32, codes_3x16, codes_3x32,
+                        codes_4x16, codes_4x32, codes_5x16, codes_5x32, codes_6x16, codes_6x32, codes_7x16, codes_7x32,
+                        codes_8x16, codes_8x32)
+
+__all__ = ["HAS_VNNI", "TokenCodes", "matmul_codes", "quantize_tokens", "tile_buffers", "use_codes"]
+
+
+def use_codes(t: int, k: int) -> bool:
+    """Whether products of type t rows of length k with several tokens' int8 activations take the code tiles:
+    where the CPU has VNNI (without it the portable form is slower than float tiles) and k is a multiple of 64."""
+    return HAS_VNNI and t in SUB_BLOCK and k % 64 == 0
+
+
+class TokenCodes(NamedTuple):
+    """Tokens' activations rounded for one weight type: q int8 [n, k]; d and s float32 [n, k / sub-block]: the
+    activation scale of each sub-block and that scale times the sub-block's code sum."""
+    q: np.ndarray
+    d: np.ndarray
+    s: np.ndarray
+
+
+@numba.njit(parallel=True, nogil=True, cache=True, fastmath=False)
+def _quantize_tokens(x, act_block, sb, xq, xd_sb, xs_sb):
+    n, k = x.shape
+    for p in numba.prange(n):
+        xd = np.empty(k // act_block, np.float32)
+        xs16 = np.empty(k // 16, np.int32)
+        quantize_q8_sums(x[p], act_block, xq[p], xd, xs16)
+        for j in range(k // sb):
+            d = xd[j * sb // act_block]
+            s = np.int32(0)
+            for h in range(sb // 16):
+                s += xs16[j * sb // 16 + h]
+            xd_sb[p, j] = d
+            xs_sb[p, j] = d * np.float32(s)
+
+
+def quantize_tokens(x: np.ndarray, t: int, act_block: int) -> TokenCodes:
+    """x float32 [n, k] rounded to int8 blocks of act_block (ggml's Q8_0 or Q8_K rounding) for type t."""
+    sb = SUB_BLOCK[t]
+    n, k = x.shape
+    q = np.empty((n, k), np.int8)
+    d = np.empty((n, k // sb), np.float32)
+    s = np.empty((n, k // sb), np.float32)
+    _quantize_tokens(np.ascontiguousarray(x, np.float32), act_block, sb, q, d, s)
+    return TokenCodes(q, d, s)
+
+
+@numba.njit(inline="always", nogil=True)
+def _block(nt, sb, codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out):
+    """The block of nt tokens (1 to 8) for sub-blocks of sb values."""
+    if sb == 32:
+        if nt == 8:
+            codes_8x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+        elif nt == 7:
+            codes_7x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+        elif nt == 6:
+            codes_6x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+        elif nt == 5:
+            codes_5x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+        elif nt == 4:
+            codes_4x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+        elif nt == 3:
+            codes_3x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+        elif nt == 2:
+            codes_2x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+        else:
+            codes_1x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+    elif nt == 8:
+        codes_8x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+    elif nt == 7:
+        codes_7x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+    elif nt == 6:
+        codes_6x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+    elif nt == 5:
+        codes_5x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+    elif nt == 4:
+        codes_4x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+    elif nt == 3:
+        codes_3x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+    elif nt == 2:
+        codes_2x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+    else:
+        codes_1x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+
+
+@numba.njit(inline="always", nogil=True)
+def tile_buffers(t, k):
+    """A code tile's buffers for type t rows of length k: codes, scales, biases and the decode's staging chunk."""
+    sb = sub_block(t)
+    return (np.empty(k * ROWS, np.uint8), np.empty(k // sb * ROWS, np.float32), np.empty(k // sb * ROWS, np.float32),
+            np.empty(ROWS * chunk_values(k), np.uint8))
+
+
+@numba.njit(inline="always", nogil=True)
+def tile_times_tokens(sb, words, scale, bias, xq, xd, xs, p0, p1, out, r0, buf, shift):
+    """out[p + shift, r0:r0 + 16] = the tile's rows times tokens p of (xq, xd, xs) for p0 <= p < p1 (columns
+    past out's end are dropped); buf: float32 scratch [8 * 16]. The tokens go in the fewest blocks of at most 8,
+    of near-equal size (13 tokens: 7 + 6, not 8 + 4 + 1: a block streams the whole tile once, and its epilogue
+    per sub-block costs the same for few tokens as for 8; 1.1-1.6x faster for odd counts, in cache)."""
+    k = xq.shape[1]
+    n_sub = xd.shape[1]
+    xqf, xdf, xsf = xq.reshape(-1), xd.reshape(-1), xs.reshape(-1)
+    nr = min(ROWS, out.shape[1] - r0)
+    p = p0
+    blocks = (p1 - p0 + 7) // 8
+    while p < p1:
+        nt = (p1 - p + blocks - 1) // blocks
+        blocks -= 1
+        _block(nt, sb, words, scale, bias, n_sub, xqf, p * k, k, xdf, xsf, p * n_sub, n_sub, buf)
+        for j in range(nt):
+            for i in range(nr):
+                out[p + j + shift, r0 + i] = buf[ROWS * j + i]
+        p += nt
+
+
+@numba.njit(parallel=True, nogil=True, cache=True, fastmath=False)
+def _matmul_codes(t, w, xq, xd, xs, out):
+    """out = tokens (xq, xd, xs) times W.T: a task per 16 rows, its tile decoded once for every token."""
+    sb = sub_block(t)
+    for tile in numba.prange((w.shape[0] + ROWS - 1) // ROWS):
+        words, scale, bias, stage = tile_buffers(t, xq.shape[1])
+        decode_tile(t, w, ROWS * tile, words, scale, bias, stage)
+        buf = np.empty(8 * ROWS, np.float32)
+        tile_times_tokens(sb, words, scale, bias, xq, xd, xs, 0, xq.shape[0], out, ROWS * tile, buf, 0)
+
+
+def matmul_codes(w: np.ndarray, t: int, x: TokenCodes) -> np.ndarray:
+    """out [n, rows] = tokens x (quantize_tokens for type t) times W.T, W uint8 [rows, row bytes] of type t."""
+    out = np.empty((x.q.shape[0], w.shape[0]), np.float32)
+    _matmul_codes(int(t), w, x.q, x.d, x.s, out)
+    return out
