@@ -74,6 +74,17 @@ def _mul_sigmoid(x, gate, out):
         out[i] = x[i] * sigmoid_f32(gate[i])
 
 
+@numba.njit(inline="always", nogil=True)
+def swiglu_block(gv, uv, h, p0, r0, pairs, rows):
+    """h[p0 + p, r0 + r] = silu(gv[p, r]) * uv[p, r] for p < pairs, r < rows: a block of the grouped prompt
+    experts (tokens x rows of gate and up products). libm's exp, not exp_nonpositive: inlined, this takes its
+    caller's flags, and the vectorized exp needs flags without reassociation."""
+    for p in range(pairs):
+        for r in range(rows):
+            z = gv[p, r]
+            h[p0 + p, r0 + r] = z / (np.float32(1.0) + np.exp(-z)) * uv[p, r]
+
+
 def _flat(name: str, a: np.ndarray) -> np.ndarray:
     a = np.asarray(a)
     if a.dtype != np.float32:

@@ -19,7 +19,10 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .quant import _check_weights, _format, quantize_activations
+from .activations import swiglu_block
+from .grouped_codes import down_codes, gate_up_codes
+from .int_matmul import TokenCodes, quantize_tokens, use_codes
+from .quant import _check_weights, _format, activation_block, quantize_activations
 from .quant_dispatch import (_FASTMATH, _dot, dequant_row, fused_dot, has_fused_dot, has_int_dot, int_dot,
                              prefetch_row)
 from .quant_dot import block_sums32
@@ -175,10 +178,7 @@ def _experts_gate_up_grouped(tg, gate, tu, up, xp, group_experts, group_starts, 
         uv = np.empty((pairs, rows), np.float32)
         matmul_nt_regs(xp[p0:p1], gtile, gv, pairs, rows, hidden, False)
         matmul_nt_regs(xp[p0:p1], utile, uv, pairs, rows, hidden, False)
-        for p in range(pairs):  # libm's exp here: activations' vectorized one needs flags without reassociation
-            for r in range(rows):
-                z = gv[p, r]
-                h[p0 + p, r0 + r] = z / (np.float32(1.0) + np.exp(-z)) * uv[p, r]
+        swiglu_block(gv, uv, h, p0, r0, pairs, rows)
 
 
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
@@ -211,7 +211,8 @@ def swiglu_experts_grouped(gate: np.ndarray, gate_type: int, up: np.ndarray, up_
     float32, y[p] = SwiGLU expert of its token (unweighted). Each weight row is decoded once per group and
     dotted with the group's tokens: per expert and per projection, this replaces a Python call, a parallel
     region and a decode of the expert for BLAS (in a 512-token chunk of a 512-expert top-10 model an expert
-    sees ~10 tokens). quantized_activations: x and the SwiGLU outputs rounded as ggml rounds them, as in matmul.
+    sees ~10 tokens). quantized_activations: x and the SwiGLU outputs rounded as ggml rounds them, as in matmul;
+    where the CPU has VNNI and gate and up share a type, the products run on the integer codes (grouped_codes).
     """
     if gate.ndim != 3 or up.shape[:2] != gate.shape[:2] or down.ndim != 3 or down.shape[0] != gate.shape[0]:
         raise ValueError(f"expert tensors must be [n_experts, rows, row bytes] with matching gate/up; got gate "
@@ -231,11 +232,17 @@ def swiglu_experts_grouped(gate: np.ndarray, gate_type: int, up: np.ndarray, up_
         raise ValueError("groups must be expert numbers with starts 0 <= ... <= number of pairs, and pair "
                          "tokens rows of x")
     x = np.ascontiguousarray(x, np.float32)
+    if quantized_activations and gate_type == up_type and use_codes(gate_type, hidden) and use_codes(down_type, ffn):
+        xt = quantize_tokens(x, gate_type, activation_block(gate_type))
+        xp = TokenCodes(xt.q[pair_tokens], xt.d[pair_tokens], xt.s[pair_tokens])
+        h = gate_up_codes(gate, gate_type, up, up_type, xp, group_experts, group_starts)
+        return down_codes(down, down_type, quantize_tokens(h, down_type, activation_block(down_type)), group_experts,
+                          group_starts)
     h = np.empty((pair_tokens.shape[0], ffn), np.float32)
     y = np.empty((pair_tokens.shape[0], hidden), np.float32)
-    # With quantized activations the float path multiplies the rounded values: integer dots per (row, token)
-    # re-read each row for every token and were slower even where ggml's types have them (one thread, 48
-    # experts x 11 tokens: Q4_K 1363 vs 1055 us per expert, Q6_K 1571 vs 1104, Q2_K 1224 vs 1182).
+    # Without code tiles the float path multiplies the rounded values: integer dots per (row, token) re-read
+    # each row for every token and were slower even where ggml's types have them (one thread, 48 experts x 11
+    # tokens: Q4_K 1363 vs 1055 us per expert, Q6_K 1571 vs 1104, Q2_K 1224 vs 1182).
     xr = quantize_activations(x, gate_type) if quantized_activations else x
     _experts_gate_up_grouped(int(gate_type), gate, int(up_type), up, xr[pair_tokens], group_experts, group_starts, h)
     hr = quantize_activations(h, down_type) if quantized_activations else h
