@@ -32,6 +32,20 @@ def cli(home, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+def test_int8_activations_option(home):
+    """--int8-activations reaches the model (ggml-rounded activations): a greedy run works and says so in --help."""
+    proc = cli(home, "run", "--prompt", "hi", "--max-tokens", "4", "--json", "--temperature", "0",
+               "--int8-activations")
+    assert proc.returncode == 0, proc.stderr
+    assert 1 <= len(orjson.loads(proc.stdout)["token_ids"]) <= 4
+    assert "--int8-activations" in cli(home, "run", "--help").stdout
+    from strata_async.cli import _parser, load_options
+
+    for argv, want in ((["run", "-p", "x"], False), (["run", "-p", "x", "--int8-activations"], True)):
+        assert load_options(_parser().parse_args(argv))["quantized_activations"] is want
+
+
+@pytest.mark.slow
 def test_run_json_on_the_default_model(home):
     proc = cli(home, "run", "--prompt", "hi", "--max-tokens", "8", "--json", "--seed", "5")
     assert proc.returncode == 0, proc.stderr
