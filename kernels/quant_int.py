@@ -15,7 +15,8 @@ import numba
 import numpy as np
 
 from .ggml_blocks import f16, round_to_half
-from .simd import idot_q2_0_block, idot_q2_k_block, idot_q4_k_block, idot_q6_half, idot_s8_32
+from .simd import (HAS_AVX512BW, HAS_F16C, fdot_q8_0_pairs, idot_q2_0_block, idot_q2_k_block, idot_q4_k_block,
+                   idot_q6_half, idot_s8_32)
 
 _FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 
@@ -108,7 +109,11 @@ def quantize_q8_sums(x, block, xq, xd, xs16):
 def idot_q8_0(src, xq, xd):
     """One Q8_0 row (fp16 d, 32 int8 per block) times Q8_0 activations."""
     acc = np.float32(0.0)
-    for b in range(xq.shape[0] // 32):
+    first = 0
+    if HAS_AVX512BW and HAS_F16C:  # pairs of blocks in vector lanes, then the odd block if any
+        first = xq.shape[0] // 64 * 2
+        acc = fdot_q8_0_pairs(src, xq, xd, first // 2)
+    for b in range(first, xq.shape[0] // 32):
         o = b * 34
         acc += f16(src, o) * xd[b] * np.float32(idot_s8_32(src, o + 2, xq, 32 * b))
     return acc

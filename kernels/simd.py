@@ -44,6 +44,8 @@ def _has_f16c() -> bool:
 HAS_F16C = _has_f16c()
 # AVX-512BW: 64-byte vpmaddubsw/vpmaddwd for the 4-bit dots (else the portable vector IR below, half as fast).
 HAS_AVX512BW = platform.machine().lower() in ("x86_64", "amd64") and bool(_host_features().get("avx512bw"))
+# AVX-512 VNNI: vpdpbusd, uint8 x int8 products summed by 4 into int32 lanes in one instruction.
+HAS_VNNI = HAS_AVX512BW and bool(_host_features().get("avx512vnni"))
 
 _I8 = ir.IntType(8)
 _I32 = ir.IntType(32)
@@ -118,6 +120,51 @@ def idot_s8_32(typingctx, a, ao, x, xo):
     return types.int32(a, ao, x, xo), codegen
 
 
+@intrinsic
+def fdot_q8_0_pairs(typingctx, src, x, xd, pairs):
+    """sum over blocks b < 2 pairs of a Q8_0 row (34-byte blocks: fp16 d, 32 int8) of d_b * xd[b] * (codes_b .
+    x[32 b:32 b + 32]), x int8 in [-127, 127] (ggml's activation codes), two blocks a step: |codes| times x with
+    the codes' signs (vpdpbusd, or vpmaddubsw and vpmaddwd without VNNI; AVX-512BW only), the int32 lanes
+    converted and multiply-added with each block's d * xd into float lanes, one reduction per row (a reduction
+    per block had cost ~45% of the dot)."""
+    if not (_byte_array(src) and _byte_array(x) and _float_array(xd)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        src_ty, src_v, x_ty, x_v, xd_ty, xd_v, n_v = sig.args[0], args[0], sig.args[1], args[1], sig.args[2], args[2], \
+            args[3]
+        f32 = ir.FloatType()
+        v16f, v16i, v64 = ir.VectorType(f32, 16), ir.VectorType(_I32, 16), ir.VectorType(_I8, 64)
+        fl = ("reassoc", "nsz", "contract")
+        zero = ir.Constant(v64, [0] * 64)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16))
+        with cgutils.for_range(builder, n_v) as loop:
+            o = builder.mul(loop.index, ir.Constant(loop.index.type, 68))
+            w = builder.shuffle_vector(_load(context, builder, src_ty, src_v, _at(builder, o, 2), 32),
+                                       _load(context, builder, src_ty, src_v, _at(builder, o, 36), 32),
+                                       _vec_const(32, range(64)))
+            xv = _load(context, builder, x_ty, x_v, builder.mul(loop.index, ir.Constant(loop.index.type, 64)), 64)
+            neg = builder.icmp_signed("<", w, zero)
+            aw = builder.select(neg, builder.sub(zero, w), w)  # -128 -> 0x80: 128 as vpdpbusd's unsigned byte
+            sx = builder.select(neg, builder.sub(zero, xv), xv)
+            if HAS_VNNI:
+                isum = _dpbusd(builder, ir.Constant(v16i, [0] * 16), builder.bitcast(aw, v16i),
+                               builder.bitcast(sx, v16i), True)
+            else:
+                isum = _pmaddwd(builder, _pmaddubsw(builder, aw, sx), _vec_const(16, [1] * 32))
+            d2 = ir.Constant(ir.VectorType(f32, 2), ir.Undefined)
+            for h in range(2):
+                hp = _pointer(context, builder, src_ty, src_v, _at(builder, o, 34 * h), ir.HalfType())
+                d2 = builder.insert_element(d2, builder.fpext(builder.load(hp, align=1), f32), ir.Constant(_I32, h))
+            xd2 = _load_vec(context, builder, xd_ty, xd_v, builder.mul(loop.index, ir.Constant(loop.index.type, 2)),
+                            f32, 2)
+            scale = _shuffle(builder, builder.fmul(d2, xd2), [h // 8 for h in range(16)])
+            builder.store(builder.fadd(builder.load(acc), builder.fmul(builder.sitofp(isum, v16f), scale, flags=fl),
+                                       flags=fl), acc)
+        return _reduce_fadd(builder, builder.load(acc), 16)
+    return types.float32(src, x, xd, pairs), codegen
+
+
 def _x86(builder, name, ret, args):
     """A call of an x86 vector instruction's LLVM intrinsic."""
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
@@ -133,6 +180,24 @@ def _pmaddubsw(builder, codes, x):
 def _pmaddwd(builder, a, b):
     """vpmaddwd (AVX-512BW): <32 x i16> a times b, adjacent products added, as <16 x i32>."""
     return _x86(builder, "llvm.x86.avx512.pmaddw.d.512", ir.VectorType(_I32, 16), [a, b])
+
+
+def _dpbusd(builder, acc, codes, x, vnni):
+    """acc + per lane i: sum over j < 4 of uint8 codes byte 4i + j times int8 x byte 4i + j (all <16 x i32>):
+    vpdpbusd where vnni, else widening multiplies and adds."""
+    v16 = ir.VectorType(_I32, 16)
+    if vnni:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16] * 3),
+                                            "llvm.x86.avx512.vpdpbusd.512")
+        return builder.call(fn, [acc, codes, x])
+    v64 = ir.VectorType(_I32, 64)
+    prods = builder.mul(builder.zext(builder.bitcast(codes, ir.VectorType(_I8, 64)), v64),
+                        builder.sext(builder.bitcast(x, ir.VectorType(_I8, 64)), v64))
+    for j in range(4):
+        lanes = ir.Constant(v16, [4 * i + j for i in range(16)])
+        part = builder.shuffle_vector(prods, prods, lanes)
+        acc = builder.add(acc, part)
+    return acc
 
 
 def _madd_scaled(builder, codes, x, scales):
@@ -327,41 +392,49 @@ def _u64_table(ty) -> bool:
     return _array_1d(ty, types.uint64)
 
 
-# How LLVM spells an i64 pointer in overloaded intrinsic names: opaque "p0" from LLVM 17 on, "p0i64" before.
-_PTR_MANGLE = "p0" if llvm.llvm_version_info[0] >= 17 else "p0i64"
-
-
-def _grid_lookup(context, builder, grid_ty, grid, q_ty, q, qo, n):
-    """The values of n IQ2_XS groups whose uint16 codes start at byte qo of q: each group's 8 grid bytes
-    (magnitudes) and 8 sign-mask bytes (0xFF where negative), as two <8 n x i8>. The n grid points come by one
-    gather (vpgatherqq where the CPU has it; a load and a lane insert per group had made the integer dot 0.17
-    ns per weight, now 0.10-0.14), the signs from the code bits (no second table look-up)."""
-    i64 = ir.IntType(64)
-    codes = _load_vec(context, builder, q_ty, q, qo, ir.IntType(16), n)
+def _iq2_xs_block(context, builder, grid_ty, grid, src_ty, src, o):
+    """The parts of the IQ2_XS block at src[o] (74 bytes: fp16 d, 32 uint16 group codes, 8 scale bytes) that its
+    four 64-value steps take, computed once a block: the codes, their sign bytes and the 16 scale nibbles (per
+    step they had cost a fifth of the integer dot). Returns step(s) -> (the grid magnitudes of values 64 s ..
+    64 s + 63 as <64 x i8>, their sign masks, 0xFF where negative, as <64 x i8>, their four scale nibbles as
+    <4 x i8>). A group's uint16 holds its grid point (low 9 bits) and sign index (high 7 bits)."""
+    i16, i64 = ir.IntType(16), ir.IntType(64)
     grid_data = context.make_array(grid_ty)(context, builder, grid).data
-    vi = ir.VectorType(i64, n)
-    points = builder.and_(builder.zext(codes, vi), ir.Constant(vi, [511] * n))
-    addrs = builder.add(_splat(builder, builder.ptrtoint(grid_data, i64), n, 64),
-                        builder.shl(points, ir.Constant(vi, [3] * n)))  # 8 bytes a grid point
-    pty = ir.VectorType(i64.as_pointer(), n)
-    i1v = ir.VectorType(ir.IntType(1), n)
-    gather = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vi, [pty, _I32, i1v, vi]),
-                                            f"llvm.masked.gather.v{n}i64.v{n}{_PTR_MANGLE}")
-    g = builder.call(gather, [builder.inttoptr(addrs, pty), ir.Constant(_I32, 8), ir.Constant(i1v, [1] * n),
-                              ir.Constant(vi, ir.Undefined)])
-    return builder.bitcast(g, ir.VectorType(_I8, 8 * n)), _sign_masks(builder, codes, n)
+    # A load per grid point (on an AMD EPYC (Zen 4) core 1.25x faster than a vpgatherqq per eight), each code
+    # loaded on its own, before the vector load below: taken out of that vector instead they cost a vpextrw each.
+    points = []
+    for s in range(4):
+        v = ir.Constant(ir.VectorType(i64, 8), ir.Undefined)
+        for g in range(8):
+            code = builder.load(_pointer(context, builder, src_ty, src, _at(builder, o, 2 + 16 * s + 2 * g), i16),
+                                align=1)
+            point = builder.load(builder.gep(grid_data, [builder.and_(builder.zext(code, i64), ir.Constant(i64, 511))]))
+            v = builder.insert_element(v, point, ir.Constant(_I32, g))
+        points.append(builder.bitcast(v, ir.VectorType(_I8, 64)))
+    signs = _sign_bytes(builder, _load_vec(context, builder, src_ty, src, _at(builder, o, 2), i16, 32), 32)
+    sb = _load(context, builder, src_ty, src, _at(builder, o, 66), 8)
+    nibs = builder.and_(builder.lshr(_shuffle(builder, sb, [j // 2 for j in range(16)]), _vec_const(8, [0, 4] * 8)),
+                        _vec_const(8, [15] * 16))
+
+    def step(s):
+        return points[s], _sign_masks(builder, signs, 8 * s, 8), _shuffle(builder, nibs, [4 * s + k for k in range(4)])
+    return step
 
 
-def _sign_masks(builder, codes, n):
-    """The sign-mask bytes (0xFF where negative) of n i-quant groups from their uint16 codes <n x i16>, computed:
-    the high 7 bits are the signs of values 0-6 and value 7's sign makes the count even (ggml's ksigns)."""
+def _sign_bytes(builder, codes, n):
+    """The 8 sign bits of each of n i-quant groups from their uint16 codes <n x i16>, as <n x i8>: the high 7
+    bits are the signs of values 0-6 and value 7's sign makes the count even (ggml's ksigns)."""
     i16 = ir.IntType(16)
     vn = ir.VectorType(i16, n)
     s7 = builder.lshr(codes, _vec_const(16, [9] * n))
     ctpop = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vn, [vn]), f"llvm.ctpop.v{n}i16")
     parity = builder.and_(builder.call(ctpop, [s7]), _vec_const(16, [1] * n))
-    s8 = builder.trunc(builder.or_(s7, builder.shl(parity, _vec_const(16, [7] * n))), ir.VectorType(_I8, n))
-    spread = builder.shuffle_vector(s8, s8, _vec_const(32, [j // 8 for j in range(8 * n)]))
+    return builder.trunc(builder.or_(s7, builder.shl(parity, _vec_const(16, [7] * n))), ir.VectorType(_I8, n))
+
+
+def _sign_masks(builder, signs, first, n):
+    """The sign-mask bytes (0xFF where negative) of groups first .. first + n - 1 of sign bytes <m x i8>."""
+    spread = _shuffle(builder, signs, [first + j // 8 for j in range(8 * n)])
     bits = builder.and_(spread, _vec_const(8, [1 << (j % 8) if j % 8 < 7 else -128 for j in range(8 * n)]))
     zero = ir.Constant(ir.VectorType(_I8, 8 * n), [0] * (8 * n))
     return builder.sext(builder.icmp_unsigned("!=", bits, zero), ir.VectorType(_I8, 8 * n))
@@ -413,14 +486,6 @@ def idot_q2_0_block(typingctx, src, o, x, xo, xs16, g):
     return types.UniTuple(types.int32, 2)(src, o, x, xo, xs16, g), codegen
 
 
-def _iq2_xs_run_scales(context, builder, src_ty, src, o, step):
-    """The four 4-bit scales s of step `step` (values 64 step .. 64 step + 63, one per 16) of the IQ2_XS block at
-    src[o], as <4 x i8>: low then high nibble of scale bytes 2 step and 2 step + 1."""
-    sb = _load(context, builder, src_ty, src, _at(builder, o, 66 + 2 * step), 2)
-    return builder.and_(builder.lshr(builder.shuffle_vector(sb, sb, _vec_const(32, [0, 0, 1, 1])),
-                                     _vec_const(8, [0, 4, 0, 4])), _vec_const(8, [15] * 4))
-
-
 def _odd_scales(builder, nib):
     """2 s + 1 for each 4-bit scale s of <4 x i8>, as <4 x i16> (the integer form of ggml's (0.5 + s) / 4)."""
     return builder.add(builder.shl(builder.zext(nib, ir.VectorType(ir.IntType(16), 4)), _vec_const(16, [1] * 4)),
@@ -432,7 +497,7 @@ def idot_iq2_xs_block(typingctx, grid, src, o, x, xo):
     """The integer sum of one IQ2_XS block (74 bytes at src[o]) times 256 int8 x[xo:]: per 16 values
     (2 * 4-bit scale + 1) * (signed grid values . x). Each group's uint16 (from o + 2) holds a grid point
     (low 9 bits) and a sign index (high 7 bits); the point's 8 byte magnitudes come from grid (uint64
-    [points]), its signs are computed from the index (_sign_masks: no second table look-up) and go onto x
+    [points]), its signs are computed from the index (_sign_bytes: no second table look-up) and go onto x
     instead, so the magnitudes stay unsigned for vpmaddubsw (AVX-512BW; else vpmaddwd): x must lie in
     [-127, 127], as ggml's activation codes do (-128 has no negation). One reduction per block."""
     if not (_u64_table(grid) and _byte_array(src) and _byte_array(x)):
@@ -442,11 +507,10 @@ def idot_iq2_xs_block(typingctx, grid, src, o, x, xo):
         grid_ty, grid_v, src_ty, src_v, o_v, x_ty, x_v, xo_v = (
             sig.args[0], args[0], sig.args[1], args[1], args[2], sig.args[3], args[3], args[4])
         total = None
-        for step in range(4):  # 64 weights: eight groups, scale bytes 2 step and 2 step + 1
-            g8, m8 = _grid_lookup(context, builder, grid_ty, grid_v, src_ty, src_v,
-                                  _at(builder, o_v, 2 + 16 * step), 8)
+        block = _iq2_xs_block(context, builder, grid_ty, grid_v, src_ty, src_v, o_v)
+        for step in range(4):  # 64 weights: eight groups, four scale nibbles
+            g8, m8, nib = block(step)
             xs = _negate_where(builder, _load(context, builder, x_ty, x_v, _at(builder, xo_v, 64 * step), 64), m8)
-            nib = _iq2_xs_run_scales(context, builder, src_ty, src_v, o_v, step)
             sc4 = _odd_scales(builder, nib)
             if HAS_AVX512BW:
                 part = _madd_scaled(builder, g8, xs, _shuffle(builder, sc4, [k // 8 for k in range(32)]))
@@ -465,7 +529,7 @@ def idot_iq2_xs_block(typingctx, grid, src, o, x, xo):
 @intrinsic
 def fdot_iq2_xs_block(typingctx, grid, src, o, x, xo):
     """idot_iq2_xs_block with float32 activations: sum over the block's 256 values of (2 s + 1) * signed grid
-    value * x[xo + i]. The grid points come by gather, the signs from the code bits; value times run scale is an
+    value * x[xo + i]. The grid points come by a load each, the signs from the code bits; value times run scale is an
     exact int16 product (|value| <= 43, 2 s + 1 <= 31), converted once and multiply-added with x."""
     if not (_u64_table(grid) and _byte_array(src) and _float_array(x)):
         return None
@@ -476,11 +540,10 @@ def fdot_iq2_xs_block(typingctx, grid, src, o, x, xo):
         f32, i16 = ir.FloatType(), ir.IntType(16)
         fl = ("reassoc", "nsz", "contract")
         total = None
-        for step in range(4):  # 64 values: eight groups, scale bytes 2 step and 2 step + 1
-            g8, m8 = _grid_lookup(context, builder, grid_ty, grid_v, src_ty, src_v,
-                                  _at(builder, o_v, 2 + 16 * step), 8)
+        block = _iq2_xs_block(context, builder, grid_ty, grid_v, src_ty, src_v, o_v)
+        for step in range(4):  # 64 values: eight groups, four scale nibbles
+            g8, m8, nib = block(step)
             values = builder.sext(_negate_where(builder, g8, m8), ir.VectorType(i16, 64))
-            nib = _iq2_xs_run_scales(context, builder, src_ty, src_v, o_v, step)
             sc4 = _odd_scales(builder, nib)
             scaled = builder.mul(values, _shuffle(builder, sc4, [k // 16 for k in range(64)]))
             xv = _load_vec(context, builder, x_ty, x_v, _at(builder, xo_v, 64 * step), f32, 64)
@@ -605,9 +668,9 @@ def dequant_q6_half(typingctx, src, ql, qh, sc, d, dst, y):
 @intrinsic
 def dequant_iq2_xs_block(typingctx, grid, src, o, d, dst, y):
     """One IQ2_XS block (74 bytes at src[o], its fp16 d given as a float) into dst[y:y+256]: per 16 values
-    (d * (0.5 + s) * 0.25) * signed grid value, ggml's operations in its order (bit-exact). Grid points by gather
-    and signs from the code bits, 64 values a step (a load per grid point and a table look-up per group for its
-    signs, 32 values a call, had cost 0.21-0.27 ns per value; this 0.16)."""
+    (d * (0.5 + s) * 0.25) * signed grid value, ggml's operations in its order (bit-exact). Grid points by a load
+    each and signs from the code bits (_iq2_xs_block), 64 values a step (a table look-up per group for its signs,
+    32 values a call, had cost 0.21-0.27 ns per value; 64 a step 0.16)."""
     if not (_u64_table(grid) and _byte_array(src) and _float_array(dst)):
         return None
 
@@ -618,11 +681,10 @@ def dequant_iq2_xs_block(typingctx, grid, src, o, d, dst, y):
         v4f = ir.VectorType(f32, 4)
         d4 = _shuffle(builder, builder.insert_element(ir.Constant(v4f, ir.Undefined), d_v, ir.Constant(_I32, 0)),
                       [0] * 4)
-        for step in range(4):  # 64 values: eight groups, scale bytes 2 step and 2 step + 1
-            g8, m8 = _grid_lookup(context, builder, grid_ty, grid_v, src_ty, src_v,
-                                  _at(builder, o_v, 2 + 16 * step), 8)
+        block = _iq2_xs_block(context, builder, grid_ty, grid_v, src_ty, src_v, o_v)
+        for step in range(4):  # 64 values: eight groups, four scale nibbles
+            g8, m8, nib = block(step)
             values = builder.sitofp(_negate_where(builder, g8, m8), ir.VectorType(f32, 64))
-            nib = _iq2_xs_run_scales(context, builder, src_ty, src_v, o_v, step)
             half = ir.Constant(v4f, [0.5] * 4)
             db = builder.fmul(builder.fmul(d4, builder.fadd(half, builder.uitofp(nib, v4f))),
                               ir.Constant(v4f, [0.25] * 4))

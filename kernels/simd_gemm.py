@@ -23,9 +23,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import _array_1d, _byte_array, _host_features, _load, _splat, _splat_f, _store
+from .simd import HAS_VNNI, _array_1d, _byte_array, _dpbusd, _load, _splat, _splat_f, _store
 
-HAS_VNNI = bool(_host_features().get("avx512vnni")) and bool(_host_features().get("avx512bw"))
 
 ROWS = 16  # rows per tile: one 512-bit vector of int32 lanes
 
@@ -35,23 +34,6 @@ _I64 = ir.IntType(64)
 _V16I = ir.VectorType(_I32, 16)
 _V16F = ir.VectorType(ir.FloatType(), 16)
 _FL = ("reassoc", "nsz", "contract")
-
-
-def _dpbusd(builder, acc, codes, x, vnni):
-    """acc + per lane i: sum over j < 4 of uint8 codes byte 4i + j times int8 x byte 4i + j (all <16 x i32>):
-    vpdpbusd where vnni, else widening multiplies and adds."""
-    if vnni:
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16I, [_V16I] * 3),
-                                            "llvm.x86.avx512.vpdpbusd.512")
-        return builder.call(fn, [acc, codes, x])
-    v64 = ir.VectorType(_I32, 64)
-    prods = builder.mul(builder.zext(builder.bitcast(codes, ir.VectorType(_I8, 64)), v64),
-                        builder.sext(builder.bitcast(x, ir.VectorType(_I8, 64)), v64))
-    for j in range(4):
-        lanes = ir.Constant(ir.VectorType(_I32, 16), [4 * i + j for i in range(16)])
-        part = builder.shuffle_vector(prods, prods, lanes)
-        acc = builder.add(acc, part)
-    return acc
 
 
 def _data(context, builder, ty, ary):
