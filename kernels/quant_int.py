@@ -15,8 +15,8 @@ import numba
 import numpy as np
 
 from .ggml_blocks import f16, round_to_half
-from .simd import (HAS_AVX512BW, HAS_F16C, fdot_q8_0_pairs, idot_q2_0_block, idot_q2_k_block, idot_q4_k_block,
-                   idot_q6_half, idot_s8_32)
+from .simd import (HAS_AVX512BW, HAS_F16C, fdot_q6_k_blocks, fdot_q8_0_pairs, idot_q2_0_block, idot_q2_k_block,
+                   idot_q4_k_block, idot_q6_half, idot_s8_32)
 
 _FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 
@@ -132,6 +132,8 @@ def idot_q4_k(src, xq, xd, xs16):
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def idot_q6_k(src, xq, xd, xs16):
     """One Q6_K row times Q8_K activations: per 16-run int8 scale * sum((code - 32) x), per 256 the fp16 d."""
+    if HAS_AVX512BW and HAS_F16C:
+        return fdot_q6_k_blocks(src, xq, xd, xs16, xq.shape[0] // 256)
     acc = np.float32(0.0)
     for b in range(xq.shape[0] // 256):
         o = b * 210
@@ -139,7 +141,7 @@ def idot_q6_k(src, xq, xd, xs16):
         for half in range(2):
             y = 256 * b + 128 * half
             sc = o + 192 + 8 * half
-            isum += idot_q6_half(src, o + 64 * half, o + 128 + 32 * half, sc, xq, y, xs16, 16 * b + 8 * half)
+            isum += idot_q6_half(src, o + 64 * half, o + 128 + 32 * half, sc, xq, y)
         acc += f16(src, o + 208) * xd[b] * np.float32(isum)
     return acc
 

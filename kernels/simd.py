@@ -241,35 +241,68 @@ def _q6_half_codes(context, builder, ary_ty, ary, ql, qh, sc, offset=True):
 
 
 @intrinsic
-def idot_q6_half(typingctx, src, ql, qh, sc, x, xo, xs16, g):
+def idot_q6_half(typingctx, src, ql, qh, sc, x, xo):
     """One half (128 weights) of a Q6_K block times int8 activations, each 16-run times its int8 scale:
     sum_k sum_i scale[k] * (code_i - 32) * x_i with the 6-bit codes from 64 low-nibble bytes at ql and 32
-    high-bit bytes at qh, the 8 scales at sc; one reduction for all 128. With AVX-512BW the unsigned codes
-    go through vpmaddubsw/vpmaddwd, 64 per step, and the offset comes off as 32 * sum_k scale[k] * xs16[g + k]
-    (the activations' 16-sums); elsewhere it is taken in the lanes."""
-    if not (_byte_array(src) and _byte_array(x) and _int32_array(xs16)):
+    high-bit bytes at qh, the 8 scales at sc; one reduction for all 128. The portable form (plain vector
+    products); with AVX-512BW whole rows go through fdot_q6_k_blocks."""
+    if not (_byte_array(src) and _byte_array(x)):
         return None
 
     def codegen(context, builder, sig, args):
-        codes, scales = _q6_half_codes(context, builder, sig.args[0], args[0], args[1], args[2], args[3],
-                                       offset=not HAS_AVX512BW)
+        codes, scales = _q6_half_codes(context, builder, sig.args[0], args[0], args[1], args[2], args[3])
         x_ty, x_v, xo_v = sig.args[4], args[4], args[5]
         total = None
-        if HAS_AVX512BW:
-            for c in range(2):  # runs 2c and 2c + 1: 64 contiguous activations, four scales
-                x64 = _load(context, builder, x_ty, x_v, _at(builder, xo_v, 64 * c), 64)
-                part = _madd_runs(builder, codes[2 * c], codes[2 * c + 1], x64, scales, 4 * c, 16)
-                total = part if total is None else builder.add(total, part)
-            sums = _load_vec(context, builder, sig.args[6], args[6], args[7], _I32, 8)
-            offset = _reduce_add(builder, builder.mul(builder.sext(scales, ir.VectorType(_I32, 8)), sums), 8)
-            return builder.sub(_reduce_add(builder, total, 16), builder.shl(offset, ir.Constant(_I32, 5)))
         for k in range(4):
             sc16 = builder.shuffle_vector(scales, scales, _vec_const(32, [2 * k] * 16 + [2 * k + 1] * 16))
             x8 = _load(context, builder, x_ty, x_v, _at(builder, xo_v, 32 * k), 32)
             part = _scaled_products(builder, codes[k], sc16, x8, True)
             total = part if total is None else builder.add(total, part)
         return _reduce_add(builder, total, 32)
-    return types.int32(src, ql, qh, sc, x, xo, xs16, g), codegen
+    return types.int32(src, ql, qh, sc, x, xo), codegen
+
+
+@intrinsic
+def fdot_q6_k_blocks(typingctx, src, x, xd, xs16, blocks):
+    """sum over the first `blocks` Q6_K blocks of a row (210 bytes: 128 low-nibble bytes, 64 high-bit bytes, 16
+    int8 scales, fp16 d) of d * xd[b] * sum_k scale_k * ((codes - 32) . x) over its 16-runs k, x int8 with its
+    16-sums xs16 (AVX-512BW only). Per block the unsigned codes go through vpmaddubsw/vpmaddwd into int32 lanes,
+    the offset comes off lane-wise as 32 * scale_k * xs16[k], and the lanes are converted and multiply-added
+    with d * xd[b] into float lanes: one reduction per row (two per half block had cost ~30% of the dot)."""
+    if not (_byte_array(src) and _byte_array(x) and _float_array(xd) and _int32_array(xs16)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        src_ty, src_v, x_ty, x_v, xd_ty, xd_v, xs_ty, xs_v, n_v = (sig.args[0], args[0], sig.args[1], args[1],
+                                                                   sig.args[2], args[2], sig.args[3], args[3], args[4])
+        f32 = ir.FloatType()
+        v16f, v16i = ir.VectorType(f32, 16), ir.VectorType(_I32, 16)
+        fl = ("reassoc", "nsz", "contract")
+        acc = cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16))
+        with cgutils.for_range(builder, n_v) as loop:
+            b = loop.index
+            o = builder.mul(b, ir.Constant(b.type, 210))
+            y = builder.mul(b, ir.Constant(b.type, 256))
+            total = None
+            for half in range(2):
+                codes, scales = _q6_half_codes(context, builder, src_ty, src_v, _at(builder, o, 64 * half),
+                                               _at(builder, o, 128 + 32 * half), _at(builder, o, 192 + 8 * half),
+                                               offset=False)
+                for c in range(2):  # runs 2c and 2c + 1: 64 contiguous activations, four scales
+                    x64 = _load(context, builder, x_ty, x_v, _at(builder, y, 128 * half + 64 * c), 64)
+                    part = _madd_runs(builder, codes[2 * c], codes[2 * c + 1], x64, scales, 4 * c, 16)
+                    total = part if total is None else builder.add(total, part)
+            scales16 = builder.sext(_load(context, builder, src_ty, src_v, _at(builder, o, 192), 16), v16i)
+            sums = _load_vec(context, builder, xs_ty, xs_v, builder.mul(b, ir.Constant(b.type, 16)), _I32, 16)
+            total = builder.sub(total, builder.shl(builder.mul(scales16, sums), _vec_const(32, [5] * 16)))
+            d = builder.fpext(builder.load(_pointer(context, builder, src_ty, src_v, _at(builder, o, 208),
+                                                    ir.HalfType()), align=1), f32)
+            xdb = builder.load(builder.gep(context.make_array(xd_ty)(context, builder, xd_v).data, [b]))
+            scale = _splat_f(builder, builder.fmul(d, xdb), 16)
+            builder.store(builder.fadd(builder.load(acc), builder.fmul(builder.sitofp(total, v16f), scale, flags=fl),
+                                       flags=fl), acc)
+        return _reduce_fadd(builder, builder.load(acc), 16)
+    return types.float32(src, x, xd, xs16, blocks), codegen
 
 
 def _shuffle(builder, vec, lanes):

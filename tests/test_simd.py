@@ -70,22 +70,77 @@ def test_f16_every_half():
     np.testing.assert_array_equal(np.signbit(out[finite]), np.signbit(want[finite]))
 
 
-def test_idot_q6_half(rng, avx512bw):
-    """Against the Q6_K layout written out: value (l, k) of the half takes its low nibble from
-    ql[l + 32 (k % 2)] (bits 4 k // 2 ...), its high bits from qh[l] >> 2 k, its scale from sc[2 k + l // 16],
-    and is (code - 32) times the scale."""
+def _q6_half_want(src, ql, qh, sc, x, xo):
+    """Value (i, k) of a Q6_K half takes its low nibble from ql[i + 32 (k % 2)] (bits 4 k // 2 ...), its high
+    bits from qh[i] >> 2 k, its scale from sc[2 k + i // 16], and is (code - 32) times the scale."""
+    want = 0
+    for k in range(4):
+        for i in range(32):
+            low = (int(src[ql + i + 32 * (k % 2)]) >> (4 * (k // 2))) & 15
+            code = low | (((int(src[qh + i]) >> (2 * k)) & 3) << 4)
+            scale = int(src[sc + 2 * k + i // 16].astype(np.int8))
+            want += scale * (code - 32) * int(x[xo + 32 * k + i])
+    return want
+
+
+def test_idot_q6_half(rng):
+    """The portable Q6_K half against the layout written out."""
     src, x = _bytes(rng, 300), _bytes(rng, 300).view(np.int8)
     for ql, qh, sc, xo in [(0, 64, 96, 0), (5, 100, 290, 37), (150, 214, 246, 172)]:
-        want = 0
-        for k in range(4):
-            for l in range(32):
-                low = (int(src[ql + l + 32 * (k % 2)]) >> (4 * (k // 2))) & 15
-                code = low | (((int(src[qh + l]) >> (2 * k)) & 3) << 4)
-                scale = int(src[sc + 2 * k + l // 16].astype(np.int8))
-                want += scale * (code - 32) * int(x[xo + 32 * k + l])
-        xs16 = np.zeros(30, np.int32)
-        xs16[5:13] = x[xo:xo + 128].astype(np.int64).reshape(8, 16).sum(axis=1)
-        assert _compiled("idot_q6_half")(src, ql, qh, sc, x, xo, xs16, 5) == want
+        assert _compiled("idot_q6_half")(src, ql, qh, sc, x, xo) == _q6_half_want(src, ql, qh, sc, x, xo)
+
+
+def _random_halves(rng, n):
+    """n random finite fp16 values over several binades, as their bytes."""
+    return (rng.choice([-1, 1], n) * 2.0 ** rng.uniform(-10, 2, n)).astype(np.float16).view(np.uint8)
+
+
+@pytest.mark.skipif(not simd.HAS_AVX512BW, reason="this CPU has no AVX-512BW")
+def test_fdot_q6_k_blocks(rng):
+    """Whole Q6_K rows (three blocks) against the layout written out: per block d * xd[b] * the two halves."""
+    nb = 3
+    src, x = _bytes(rng, 210 * nb), np.maximum(_bytes(rng, 256 * nb).view(np.int8), -127)
+    for b in range(nb):
+        src[210 * b + 208:210 * b + 210] = _random_halves(rng, 1)
+    xd = rng.uniform(0.01, 1.0, nb).astype(np.float32)
+    xs16 = x.astype(np.int64).reshape(-1, 16).sum(axis=1).astype(np.int32)
+    want = bound = 0.0
+    for b in range(nb):
+        o = 210 * b
+        isum = sum(_q6_half_want(src, o + 64 * h, o + 128 + 32 * h, o + 192 + 8 * h, x, 256 * b + 128 * h)
+                   for h in range(2))
+        scale = float(src[o + 208:o + 210].view(np.float16)[0]) * float(xd[b])
+        want += scale * isum
+        bound += abs(scale) * 32 * 64 * 127 * 256
+    for blocks in (nb, 1):
+        got = _compiled("fdot_q6_k_blocks")(src, x, xd, xs16, blocks)
+        if blocks == 1:
+            o_scale = float(src[208:210].view(np.float16)[0]) * float(xd[0])
+            want = o_scale * sum(_q6_half_want(src, 64 * h, 128 + 32 * h, 192 + 8 * h, x, 128 * h) for h in range(2))
+        assert abs(got - want) <= 1e-6 * bound, blocks
+
+
+@pytest.mark.parametrize("vnni", [True, False], ids=["vnni", "no-vnni"])
+def test_fdot_q8_0_pairs(rng, vnni, monkeypatch):
+    """Pairs of Q8_0 blocks (weights -128..127, -128 included) against numpy, with and without VNNI."""
+    if not simd.HAS_AVX512BW or (vnni and not simd.HAS_VNNI):
+        pytest.skip("this CPU lacks the instructions")
+    monkeypatch.setattr(simd, "HAS_VNNI", vnni)
+    nb = 6
+    src = _bytes(rng, 34 * nb)
+    src[2:6] = (128, 128, 127, 0)  # -128 codes, whose magnitude only fits unsigned
+    for b in range(nb):
+        src[34 * b:34 * b + 2] = _random_halves(rng, 1)
+    x = np.maximum(_bytes(rng, 32 * nb).view(np.int8), -127)
+    x[:2] = (-127, 127)
+    xd = rng.uniform(0.01, 1.0, nb).astype(np.float32)
+    blocks = src.reshape(nb, 34)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float64).reshape(-1)
+    isums = (blocks[:, 2:].view(np.int8).astype(np.int64) * x.reshape(nb, 32)).sum(axis=1)
+    for pairs in (3, 1):
+        terms = d[:2 * pairs] * xd[:2 * pairs] * isums[:2 * pairs]
+        got = _compiled("fdot_q8_0_pairs")(src, x, xd, pairs)
+        assert abs(got - terms.sum()) <= 1e-6 * np.abs(d * xd).sum() * 32 * 128 * 127
 
 
 def test_idot_q4_k_block(rng, avx512bw):
