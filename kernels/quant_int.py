@@ -15,8 +15,8 @@ import numba
 import numpy as np
 
 from .ggml_blocks import f16, round_to_half
-from .simd import (HAS_AVX512BW, HAS_F16C, fdot_q6_k_blocks, fdot_q8_0_pairs, idot_q2_0_block, idot_q2_k_block,
-                   idot_q4_k_block, idot_q6_half, idot_s8_32)
+from .simd import (HAS_AVX512BW, HAS_F16C, fdot_q2_k_blocks, fdot_q4_k_blocks, fdot_q6_k_blocks, fdot_q8_0_pairs,
+                   idot_q2_0_block, idot_q2_k_block, idot_q4_k_block, idot_q6_half, idot_s8_32)
 
 _FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 
@@ -122,6 +122,8 @@ def idot_q8_0(src, xq, xd):
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def idot_q4_k(src, xq, xd, xs16):
     """One Q4_K row times Q8_K activations: d * sum_j sc_j (q_j . x_j) - dmin * sum_j m_j sum(x_j), per 256."""
+    if HAS_AVX512BW and HAS_F16C:
+        return fdot_q4_k_blocks(src, xq, xd, xs16, xq.shape[0] // 256)
     acc = np.float32(0.0)
     for b in range(xq.shape[0] // 256):
         o = b * 144
@@ -150,6 +152,8 @@ def idot_q6_k(src, xq, xd, xs16):
 def idot_q2_k(src, xq, xd, xs16):
     """One Q2_K row times Q8_K activations (ggml's vec_dot_q2_K_q8_K): per 16-run the 4-bit scale times the
     codes' dot minus the 4-bit min times the run's activation sum, per 256 d and dmin times xd."""
+    if HAS_AVX512BW and HAS_F16C:
+        return fdot_q2_k_blocks(src, xq, xd, xs16, xq.shape[0] // 256)
     acc = np.float32(0.0)
     for b in range(xq.shape[0] // 256):
         o = b * 84

@@ -120,30 +120,55 @@ def idot_s8_32(typingctx, a, ao, x, xo):
     return types.int32(a, ao, x, xo), codegen
 
 
+def _float_lanes_row(context, builder, n, terms):
+    """sum over b < n of each (int32 lanes <16 x i32>, float32 scale) in terms(b): the lanes converted and
+    multiply-added with their scale (a scalar, or <16 x float> lane by lane) into float lanes, reduced once at
+    the end. The row dots below run a whole row this way: a reduction per block had cost 30-45% of them."""
+    f32 = ir.FloatType()
+    v16f = ir.VectorType(f32, 16)
+    fl = ("reassoc", "nsz", "contract")
+    acc = cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16))
+    with cgutils.for_range(builder, n) as loop:
+        a = builder.load(acc)
+        for lanes, scale in terms(loop.index):
+            s = scale if isinstance(scale.type, ir.VectorType) else _splat_f(builder, scale, 16)
+            a = builder.fadd(a, builder.fmul(builder.sitofp(lanes, v16f), s, flags=fl), flags=fl)
+        builder.store(a, acc)
+    return _reduce_fadd(builder, builder.load(acc), 16)
+
+
+def _half_at(context, builder, ary_ty, ary, off):
+    """The fp16 value at byte offset `off` of a byte array, as float32 (vcvtph2ps where HAS_F16C)."""
+    h = builder.load(_pointer(context, builder, ary_ty, ary, off, ir.HalfType()), align=1)
+    return builder.fpext(h, ir.FloatType())
+
+
+def _elem(context, builder, ary_ty, ary, i):
+    """ary[i] of a 1-D array (no bounds check)."""
+    return builder.load(builder.gep(context.make_array(ary_ty)(context, builder, ary).data, [i]))
+
+
 @intrinsic
 def fdot_q8_0_pairs(typingctx, src, x, xd, pairs):
     """sum over blocks b < 2 pairs of a Q8_0 row (34-byte blocks: fp16 d, 32 int8) of d_b * xd[b] * (codes_b .
     x[32 b:32 b + 32]), x int8 in [-127, 127] (ggml's activation codes), two blocks a step: |codes| times x with
     the codes' signs (vpdpbusd, or vpmaddubsw and vpmaddwd without VNNI; AVX-512BW only), the int32 lanes
-    converted and multiply-added with each block's d * xd into float lanes, one reduction per row (a reduction
-    per block had cost ~45% of the dot)."""
+    into float lanes with each block's d * xd (_float_lanes_row)."""
     if not (_byte_array(src) and _byte_array(x) and _float_array(xd)):
         return None
 
     def codegen(context, builder, sig, args):
-        src_ty, src_v, x_ty, x_v, xd_ty, xd_v, n_v = sig.args[0], args[0], sig.args[1], args[1], sig.args[2], args[2], \
-            args[3]
+        src_ty, src_v, x_ty, x_v, xd_ty, xd_v = sig.args[0], args[0], sig.args[1], args[1], sig.args[2], args[2]
         f32 = ir.FloatType()
-        v16f, v16i, v64 = ir.VectorType(f32, 16), ir.VectorType(_I32, 16), ir.VectorType(_I8, 64)
-        fl = ("reassoc", "nsz", "contract")
+        v16i, v64 = ir.VectorType(_I32, 16), ir.VectorType(_I8, 64)
         zero = ir.Constant(v64, [0] * 64)
-        acc = cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16))
-        with cgutils.for_range(builder, n_v) as loop:
-            o = builder.mul(loop.index, ir.Constant(loop.index.type, 68))
+
+        def terms(p):
+            o = builder.mul(p, ir.Constant(p.type, 68))
             w = builder.shuffle_vector(_load(context, builder, src_ty, src_v, _at(builder, o, 2), 32),
                                        _load(context, builder, src_ty, src_v, _at(builder, o, 36), 32),
                                        _vec_const(32, range(64)))
-            xv = _load(context, builder, x_ty, x_v, builder.mul(loop.index, ir.Constant(loop.index.type, 64)), 64)
+            xv = _load(context, builder, x_ty, x_v, builder.mul(p, ir.Constant(p.type, 64)), 64)
             neg = builder.icmp_signed("<", w, zero)
             aw = builder.select(neg, builder.sub(zero, w), w)  # -128 -> 0x80: 128 as vpdpbusd's unsigned byte
             sx = builder.select(neg, builder.sub(zero, xv), xv)
@@ -154,14 +179,11 @@ def fdot_q8_0_pairs(typingctx, src, x, xd, pairs):
                 isum = _pmaddwd(builder, _pmaddubsw(builder, aw, sx), _vec_const(16, [1] * 32))
             d2 = ir.Constant(ir.VectorType(f32, 2), ir.Undefined)
             for h in range(2):
-                hp = _pointer(context, builder, src_ty, src_v, _at(builder, o, 34 * h), ir.HalfType())
-                d2 = builder.insert_element(d2, builder.fpext(builder.load(hp, align=1), f32), ir.Constant(_I32, h))
-            xd2 = _load_vec(context, builder, xd_ty, xd_v, builder.mul(loop.index, ir.Constant(loop.index.type, 2)),
-                            f32, 2)
-            scale = _shuffle(builder, builder.fmul(d2, xd2), [h // 8 for h in range(16)])
-            builder.store(builder.fadd(builder.load(acc), builder.fmul(builder.sitofp(isum, v16f), scale, flags=fl),
-                                       flags=fl), acc)
-        return _reduce_fadd(builder, builder.load(acc), 16)
+                d2 = builder.insert_element(d2, _half_at(context, builder, src_ty, src_v, _at(builder, o, 34 * h)),
+                                            ir.Constant(_I32, h))
+            xd2 = _load_vec(context, builder, xd_ty, xd_v, builder.mul(p, ir.Constant(p.type, 2)), f32, 2)
+            return [(isum, _shuffle(builder, builder.fmul(d2, xd2), [h // 8 for h in range(16)]))]
+        return _float_lanes_row(context, builder, args[3], terms)
     return types.float32(src, x, xd, pairs), codegen
 
 
@@ -267,20 +289,17 @@ def fdot_q6_k_blocks(typingctx, src, x, xd, xs16, blocks):
     """sum over the first `blocks` Q6_K blocks of a row (210 bytes: 128 low-nibble bytes, 64 high-bit bytes, 16
     int8 scales, fp16 d) of d * xd[b] * sum_k scale_k * ((codes - 32) . x) over its 16-runs k, x int8 with its
     16-sums xs16 (AVX-512BW only). Per block the unsigned codes go through vpmaddubsw/vpmaddwd into int32 lanes,
-    the offset comes off lane-wise as 32 * scale_k * xs16[k], and the lanes are converted and multiply-added
-    with d * xd[b] into float lanes: one reduction per row (two per half block had cost ~30% of the dot)."""
+    the offset comes off lane-wise as 32 * scale_k * xs16[k], and the lanes go into float lanes with d * xd[b]
+    (_float_lanes_row)."""
     if not (_byte_array(src) and _byte_array(x) and _float_array(xd) and _int32_array(xs16)):
         return None
 
     def codegen(context, builder, sig, args):
-        src_ty, src_v, x_ty, x_v, xd_ty, xd_v, xs_ty, xs_v, n_v = (sig.args[0], args[0], sig.args[1], args[1],
-                                                                   sig.args[2], args[2], sig.args[3], args[3], args[4])
-        f32 = ir.FloatType()
-        v16f, v16i = ir.VectorType(f32, 16), ir.VectorType(_I32, 16)
-        fl = ("reassoc", "nsz", "contract")
-        acc = cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16))
-        with cgutils.for_range(builder, n_v) as loop:
-            b = loop.index
+        src_ty, src_v, x_ty, x_v, xd_ty, xd_v, xs_ty, xs_v = (sig.args[0], args[0], sig.args[1], args[1],
+                                                              sig.args[2], args[2], sig.args[3], args[3])
+        v16i = ir.VectorType(_I32, 16)
+
+        def terms(b):
             o = builder.mul(b, ir.Constant(b.type, 210))
             y = builder.mul(b, ir.Constant(b.type, 256))
             total = None
@@ -295,13 +314,9 @@ def fdot_q6_k_blocks(typingctx, src, x, xd, xs16, blocks):
             scales16 = builder.sext(_load(context, builder, src_ty, src_v, _at(builder, o, 192), 16), v16i)
             sums = _load_vec(context, builder, xs_ty, xs_v, builder.mul(b, ir.Constant(b.type, 16)), _I32, 16)
             total = builder.sub(total, builder.shl(builder.mul(scales16, sums), _vec_const(32, [5] * 16)))
-            d = builder.fpext(builder.load(_pointer(context, builder, src_ty, src_v, _at(builder, o, 208),
-                                                    ir.HalfType()), align=1), f32)
-            xdb = builder.load(builder.gep(context.make_array(xd_ty)(context, builder, xd_v).data, [b]))
-            scale = _splat_f(builder, builder.fmul(d, xdb), 16)
-            builder.store(builder.fadd(builder.load(acc), builder.fmul(builder.sitofp(total, v16f), scale, flags=fl),
-                                       flags=fl), acc)
-        return _reduce_fadd(builder, builder.load(acc), 16)
+            d = _half_at(context, builder, src_ty, src_v, _at(builder, o, 208))
+            return [(total, builder.fmul(d, _elem(context, builder, xd_ty, xd_v, b)))]
+        return _float_lanes_row(context, builder, args[4], terms)
     return types.float32(src, x, xd, xs16, blocks), codegen
 
 
@@ -381,44 +396,82 @@ def fdot_q4_k_block(typingctx, src, o, x, y, xsum32, sb, d, dmin):
     return types.float32(src, o, x, y, xsum32, sb, types.float32, types.float32), codegen
 
 
+def _q4_k_lanes(context, builder, src_ty, src, o, xq_ty, xq, y, xs_ty, xs, g):
+    """The lanes of a Q4_K block (144 bytes at src[o]) times 256 Q8_K codes xq[y:] with their 16-sums at xs[g:],
+    before any reduction: (sum_j sc_j (q_j . x_j) spread over <16 x i32> (<32 x i32> without AVX-512BW),
+    m_j sum(x_j) as <8 x i32>). The eight 6-bit scales and mins come unpacked from their 12 bytes by shuffles,
+    the mins meet the pairwise-added 16-sums."""
+    sc, mn = _q4_k_scales_mins(context, builder, src_ty, src, o)
+    sc16 = builder.zext(sc, ir.VectorType(ir.IntType(16), 8))
+    total = None
+    for gi in range(4):
+        q = _load(context, builder, src_ty, src, _at(builder, o, 16 + 32 * gi), 32)
+        low, high = builder.and_(q, _vec_const(8, [15] * 32)), builder.lshr(q, _vec_const(8, [4] * 32))
+        if HAS_AVX512BW:  # sub-blocks 2 gi and 2 gi + 1 (64 contiguous activations) in one zmm
+            x = _load(context, builder, xq_ty, xq, _at(builder, y, 64 * gi), 64)
+            part = _madd_runs(builder, low, high, x, sc16, 2 * gi, 32)
+            total = part if total is None else builder.add(total, part)
+            continue
+        for half, codes in enumerate((low, high)):
+            j = 2 * gi + half
+            scale = builder.shuffle_vector(sc16, sc16, _vec_const(32, [j] * 32))
+            x = _load(context, builder, xq_ty, xq, _at(builder, y, 32 * j), 32)
+            part = _scaled_products(builder, codes, scale, x)
+            total = part if total is None else builder.add(total, part)
+    sums16 = _load_vec(context, builder, xs_ty, xs, g, _I32, 16)
+    sums32 = builder.add(_shuffle(builder, sums16, list(range(0, 16, 2))),
+                         _shuffle(builder, sums16, list(range(1, 16, 2))))
+    return total, builder.mul(builder.zext(mn, ir.VectorType(_I32, 8)), sums32)
+
+
 @intrinsic
 def idot_q4_k_block(typingctx, src, o, xq, y, xs16, g, d, dmin):
     """One Q4_K block (144 bytes at src[o], its fp16 d and dmin given as floats) times 256 Q8_K codes xq[y:]
-    with their 16-sums at xs16[g:]: d * sum_j sc_j (q_j . x_j) - dmin * sum_j m_j sum(x_j), in vector lanes:
-    the eight 6-bit scales and mins unpacked from their 12 bytes with shuffles, the eight 32-code dots
-    scaled and added before one reduction, the mins against the pairwise-added 16-sums."""
+    with their 16-sums at xs16[g:]: d * sum_j sc_j (q_j . x_j) - dmin * sum_j m_j sum(x_j) (_q4_k_lanes, then
+    one reduction each)."""
     if not (_byte_array(src) and _byte_array(xq) and _int32_array(xs16)):
         return None
 
     def codegen(context, builder, sig, args):
         src_ty, src_v, o_v, xq_ty, xq_v, y_v, xs_ty, xs_v, g_v, d, dmin = _kblock_args(sig, args)
-        sc, mn = _q4_k_scales_mins(context, builder, src_ty, src_v, o_v)
-        sc16 = builder.zext(sc, ir.VectorType(ir.IntType(16), 8))
-
-        total = None
-        for gi in range(4):
-            q = _load(context, builder, src_ty, src_v, _at(builder, o_v, 16 + 32 * gi), 32)
-            low, high = builder.and_(q, _vec_const(8, [15] * 32)), builder.lshr(q, _vec_const(8, [4] * 32))
-            if HAS_AVX512BW:  # sub-blocks 2 gi and 2 gi + 1 (64 contiguous activations) in one zmm
-                x = _load(context, builder, xq_ty, xq_v, _at(builder, y_v, 64 * gi), 64)
-                part = _madd_runs(builder, low, high, x, sc16, 2 * gi, 32)
-                total = part if total is None else builder.add(total, part)
-                continue
-            for half, codes in enumerate((low, high)):
-                j = 2 * gi + half
-                scale = builder.shuffle_vector(sc16, sc16, _vec_const(32, [j] * 32))
-                x = _load(context, builder, xq_ty, xq_v, _at(builder, y_v, 32 * j), 32)
-                part = _scaled_products(builder, codes, scale, x)
-                total = part if total is None else builder.add(total, part)
+        total, mins = _q4_k_lanes(context, builder, src_ty, src_v, o_v, xq_ty, xq_v, y_v, xs_ty, xs_v, g_v)
         isc = _reduce_add(builder, total, 16 if HAS_AVX512BW else 32)
-
-        sums16 = _load_vec(context, builder, xs_ty, xs_v, g_v, _I32, 16)
-        sums32 = builder.add(_shuffle(builder, sums16, list(range(0, 16, 2))),
-                             _shuffle(builder, sums16, list(range(1, 16, 2))))
-        imin = _reduce_add(builder, builder.mul(builder.zext(mn, ir.VectorType(_I32, 8)), sums32), 8)
-
-        return _scales_minus_mins(builder, d, isc, dmin, imin)
+        return _scales_minus_mins(builder, d, isc, dmin, _reduce_add(builder, mins, 8))
     return types.float32(src, o, xq, y, xs16, g, types.float32, types.float32), codegen
+
+
+def _k_row_codegen(lanes, size, at):
+    """The codegen of a row dot over k-quant blocks with mins (fdot_q4_k_blocks, fdot_q2_k_blocks): sum over
+    blocks b of xd[b] * (d * scaled dots - dmin * mins), `lanes` giving a block's two int32 lane vectors (before
+    reduction), blocks of `size` bytes with the fp16 d and dmin at byte `at`; into float lanes with d * xd[b]
+    and -dmin * xd[b] (_float_lanes_row)."""
+    def codegen(context, builder, sig, args):
+        src_ty, src_v, xq_ty, xq_v, xd_ty, xd_v, xs_ty, xs_v = (sig.args[0], args[0], sig.args[1], args[1],
+                                                                sig.args[2], args[2], sig.args[3], args[3])
+
+        def terms(b):
+            o = builder.mul(b, ir.Constant(b.type, size))
+            y, g = builder.mul(b, ir.Constant(b.type, 256)), builder.mul(b, ir.Constant(b.type, 16))
+            total, mins = lanes(context, builder, src_ty, src_v, o, xq_ty, xq_v, y, xs_ty, xs_v, g)
+            n = mins.type.count
+            if n < 16:  # lanes n-15: zeros
+                mins = builder.shuffle_vector(mins, ir.Constant(mins.type, [0] * n),
+                                              _vec_const(32, list(range(n)) + [n] * (16 - n)))
+            xdb = _elem(context, builder, xd_ty, xd_v, b)
+            d = _half_at(context, builder, src_ty, src_v, _at(builder, o, at))
+            dmin = _half_at(context, builder, src_ty, src_v, _at(builder, o, at + 2))
+            return [(total, builder.fmul(d, xdb)), (mins, builder.fmul(builder.fneg(dmin), xdb))]
+        return _float_lanes_row(context, builder, args[4], terms)
+    return codegen
+
+
+@intrinsic
+def fdot_q4_k_blocks(typingctx, src, xq, xd, xs16, blocks):
+    """sum over the first `blocks` Q4_K blocks of a row of xd[b] * (d * sum_j sc_j (q_j . x_j) - dmin * sum_j m_j
+    sum(x_j)): _q4_k_lanes in float lanes (_k_row_codegen; AVX-512BW only)."""
+    if not (_byte_array(src) and _byte_array(xq) and _float_array(xd) and _int32_array(xs16)):
+        return None
+    return types.float32(src, xq, xd, xs16, blocks), _k_row_codegen(_q4_k_lanes, 144, 0)
 
 
 def _u64_table(ty) -> bool:
@@ -815,41 +868,55 @@ fdot_nt_4x4, fdot_nt_3x4, fdot_nt_2x4, fdot_nt_1x4 = (_fdot_nt_block(m, 4) for m
 fdot_nt_4x1, fdot_nt_3x1, fdot_nt_2x1, fdot_nt_1x1 = (_fdot_nt_block(m, 1) for m in (4, 3, 2, 1))
 
 
+def _q2_k_lanes(context, builder, src_ty, src, o, xq_ty, xq, y, xs_ty, xs, g):
+    """The lanes of a Q2_K block (84 bytes at src[o]) times 256 Q8_K codes xq[y:] with their 16-sums at xs[g:],
+    before any reduction: (sum_i (sc_i & 15) (q_i . x_i) over <16 x i32> (<32 x i32> without AVX-512BW), (sc_i >> 4)
+    sum(x_i) as <16 x i32>) over the 16 runs of 16; 2-bit codes at shifts 0, 2, 4, 6 of 32-byte groups."""
+    sb = _load(context, builder, src_ty, src, o, 16)
+    sc16 = builder.zext(builder.and_(sb, _vec_const(8, [15] * 16)), ir.VectorType(ir.IntType(16), 16))
+    mins = builder.zext(builder.lshr(sb, _vec_const(8, [4] * 16)), ir.VectorType(_I32, 16))
+    total = None
+    for half in range(2):
+        q = _load(context, builder, src_ty, src, _at(builder, o, 16 + 32 * half), 32)
+        codes = [builder.and_(builder.lshr(q, _vec_const(8, [2 * j] * 32)), _vec_const(8, [3] * 32)) for j in range(4)]
+        for j in range(4):
+            run = 8 * half + 2 * j
+            if HAS_AVX512BW:  # shifts j and j + 1: 64 contiguous activations, four runs, in one zmm
+                if j % 2:
+                    continue
+                x = _load(context, builder, xq_ty, xq, _at(builder, y, 128 * half + 32 * j), 64)
+                part = _madd_runs(builder, codes[j], codes[j + 1], x, sc16, run, 16)
+            else:
+                scale = builder.shuffle_vector(sc16, sc16, _vec_const(32, [run] * 16 + [run + 1] * 16))
+                x = _load(context, builder, xq_ty, xq, _at(builder, y, 128 * half + 32 * j), 32)
+                part = _scaled_products(builder, codes[j], scale, x)
+            total = part if total is None else builder.add(total, part)
+    return total, builder.mul(mins, _load_vec(context, builder, xs_ty, xs, g, _I32, 16))
+
+
 @intrinsic
 def idot_q2_k_block(typingctx, src, o, xq, y, xs16, g, d, dmin):
     """One Q2_K block (84 bytes at src[o], its fp16 d and dmin given as floats) times 256 Q8_K codes xq[y:]
     with their 16-sums at xs16[g:]: d * sum_i (sc_i & 15) (q_i . x_i) - dmin * sum_i (sc_i >> 4) sum(x_i) over
-    the 16 runs of 16; 2-bit codes at shifts 0, 2, 4, 6 of 32-byte groups, one reduction for the scaled dots."""
+    the 16 runs of 16 (_q2_k_lanes, then one reduction each)."""
     if not (_byte_array(src) and _byte_array(xq) and _int32_array(xs16)):
         return None
 
     def codegen(context, builder, sig, args):
         src_ty, src_v, o_v, xq_ty, xq_v, y_v, xs_ty, xs_v, g_v, d, dmin = _kblock_args(sig, args)
-        sb = _load(context, builder, src_ty, src_v, o_v, 16)
-        sc16 = builder.zext(builder.and_(sb, _vec_const(8, [15] * 16)), ir.VectorType(ir.IntType(16), 16))
-        mins = builder.zext(builder.lshr(sb, _vec_const(8, [4] * 16)), ir.VectorType(_I32, 16))
-        total = None
-        for half in range(2):
-            q = _load(context, builder, src_ty, src_v, _at(builder, o_v, 16 + 32 * half), 32)
-            codes = [builder.and_(builder.lshr(q, _vec_const(8, [2 * j] * 32)), _vec_const(8, [3] * 32))
-                     for j in range(4)]
-            for j in range(4):
-                run = 8 * half + 2 * j
-                if HAS_AVX512BW:  # shifts j and j + 1: 64 contiguous activations, four runs, in one zmm
-                    if j % 2:
-                        continue
-                    x = _load(context, builder, xq_ty, xq_v, _at(builder, y_v, 128 * half + 32 * j), 64)
-                    part = _madd_runs(builder, codes[j], codes[j + 1], x, sc16, run, 16)
-                else:
-                    scale = builder.shuffle_vector(sc16, sc16, _vec_const(32, [run] * 16 + [run + 1] * 16))
-                    x = _load(context, builder, xq_ty, xq_v, _at(builder, y_v, 128 * half + 32 * j), 32)
-                    part = _scaled_products(builder, codes[j], scale, x)
-                total = part if total is None else builder.add(total, part)
+        total, mins = _q2_k_lanes(context, builder, src_ty, src_v, o_v, xq_ty, xq_v, y_v, xs_ty, xs_v, g_v)
         isc = _reduce_add(builder, total, 16 if HAS_AVX512BW else 32)
-        sums16 = _load_vec(context, builder, xs_ty, xs_v, g_v, _I32, 16)
-        imin = _reduce_add(builder, builder.mul(mins, sums16), 16)
-        return _scales_minus_mins(builder, d, isc, dmin, imin)
+        return _scales_minus_mins(builder, d, isc, dmin, _reduce_add(builder, mins, 16))
     return types.float32(src, o, xq, y, xs16, g, types.float32, types.float32), codegen
+
+
+@intrinsic
+def fdot_q2_k_blocks(typingctx, src, xq, xd, xs16, blocks):
+    """sum over the first `blocks` Q2_K blocks of a row of xd[b] * idot_q2_k_block's sum: _q2_k_lanes in float
+    lanes (_k_row_codegen; AVX-512BW only)."""
+    if not (_byte_array(src) and _byte_array(xq) and _float_array(xd) and _int32_array(xs16)):
+        return None
+    return types.float32(src, xq, xd, xs16, blocks), _k_row_codegen(_q2_k_lanes, 84, 80)
 
 
 @intrinsic

@@ -143,41 +143,64 @@ def test_fdot_q8_0_pairs(rng, vnni, monkeypatch):
         assert abs(got - terms.sum()) <= 1e-6 * np.abs(d * xd).sum() * 32 * 128 * 127
 
 
-def test_idot_q4_k_block(rng, avx512bw):
-    """A Q4_K block's scales and mins (6 bits, packed in 12 bytes as ggml's get_scale_min_k4 reads them)."""
+def _q4_k_sums(src, o, x, y):
+    """(sum_j sc_j (codes_j . x_j), sum_j m_j sum(x_j)) of the Q4_K block at src[o] with x[y:y + 256], its scales
+    and mins (6 bits, packed in 12 bytes) read as ggml's get_scale_min_k4 reads them."""
+    s = [int(v) for v in src[o + 4:o + 16]]
+    sc = [s[j] & 63 if j < 4 else (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4) for j in range(8)]
+    mn = [s[j + 4] & 63 if j < 4 else (s[j + 4] >> 4) | ((s[j] >> 6) << 4) for j in range(8)]
+    q = src[o + 16:o + 144].astype(np.int64)
+    codes = np.concatenate([np.concatenate([q[32 * i:32 * i + 32] & 15, q[32 * i:32 * i + 32] >> 4])
+                            for i in range(4)])
+    xv = x[y:y + 256].astype(np.int64)
+    isc = sum(sc[j] * int(codes[32 * j:32 * j + 32] @ xv[32 * j:32 * j + 32]) for j in range(8))
+    return isc, sum(mn[j] * int(xv[32 * j:32 * j + 32].sum()) for j in range(8))
+
+
+def _q2_k_sums(src, o, x, y):
+    """The same for a Q2_K block: 2-bit codes at shifts 0, 2, 4, 6 of two 32-byte groups, a 4-bit scale and min
+    per 16 values."""
+    sb = src[o:o + 16].astype(np.int64)
+    q = src[o + 16:o + 80].astype(np.int64)
+    codes = np.concatenate([(q[32 * h:32 * h + 32] >> (2 * j)) & 3 for h in range(2) for j in range(4)])
+    xv = x[y:y + 256].astype(np.int64)
+    isc = sum(int(sb[r] & 15) * int(codes[16 * r:16 * r + 16] @ xv[16 * r:16 * r + 16]) for r in range(16))
+    return isc, sum(int(sb[r] >> 4) * int(xv[16 * r:16 * r + 16].sum()) for r in range(16))
+
+
+@pytest.mark.parametrize("name,sums", [("q4_k", _q4_k_sums), ("q2_k", _q2_k_sums)])
+def test_idot_k_block(rng, avx512bw, name, sums):
+    """One block: d * the scaled dots - dmin * the mins against the activations' sums, exactly."""
     src, x = _bytes(rng, 400), np.maximum(_bytes(rng, 600).view(np.int8), -127)
-    for o, y in [(3, 0), (201, 257)]:
-        s = [int(v) for v in src[o + 4:o + 16]]
-        sc = [s[j] & 63 if j < 4 else (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4) for j in range(8)]
-        mn = [s[j + 4] & 63 if j < 4 else (s[j + 4] >> 4) | ((s[j] >> 6) << 4) for j in range(8)]
-        q = src[o + 16:o + 144].astype(np.int64)
-        codes = np.concatenate([np.concatenate([q[32 * i:32 * i + 32] & 15, q[32 * i:32 * i + 32] >> 4])
-                                for i in range(4)])
-        xv = x[y:y + 256].astype(np.int64)
-        isc = sum(sc[j] * int(codes[32 * j:32 * j + 32] @ xv[32 * j:32 * j + 32]) for j in range(8))
-        imin = sum(mn[j] * int(xv[32 * j:32 * j + 32].sum()) for j in range(8))
+    for o, y in [(3, 0), (150, 301)]:
+        isc, imin = sums(src, o, x, y)
         xs16 = np.zeros(40, np.int32)
-        xs16[3:19] = xv.reshape(16, 16).sum(axis=1)
+        xs16[3:19] = x[y:y + 256].astype(np.int64).reshape(16, 16).sum(axis=1)
         d, dmin = np.float32(0.375), np.float32(-1.25)
         want = d * np.float32(isc) - dmin * np.float32(imin)
-        assert _compiled("idot_q4_k_block")(src, o, x, y, xs16, 3, d, dmin) == want
+        assert _compiled(f"idot_{name}_block")(src, o, x, y, xs16, 3, d, dmin) == want
 
 
-def test_idot_q2_k_block(rng, avx512bw):
-    """A Q2_K block: 2-bit codes at shifts 0, 2, 4, 6 of two 32-byte groups, a 4-bit scale and min per 16."""
-    src, x = _bytes(rng, 300), np.maximum(_bytes(rng, 600).view(np.int8), -127)
-    for o, y in [(5, 0), (150, 301)]:
-        sb = src[o:o + 16].astype(np.int64)
-        q = src[o + 16:o + 80].astype(np.int64)
-        codes = np.concatenate([(q[32 * h:32 * h + 32] >> (2 * j)) & 3 for h in range(2) for j in range(4)])
-        xv = x[y:y + 256].astype(np.int64)
-        isc = sum(int(sb[r] & 15) * int(codes[16 * r:16 * r + 16] @ xv[16 * r:16 * r + 16]) for r in range(16))
-        imin = sum(int(sb[r] >> 4) * int(xv[16 * r:16 * r + 16].sum()) for r in range(16))
-        xs16 = np.zeros(20, np.int32)
-        xs16[2:18] = xv.reshape(16, 16).sum(axis=1)
-        d, dmin = np.float32(0.625), np.float32(0.125)
-        want = d * np.float32(isc) - dmin * np.float32(imin)
-        assert _compiled("idot_q2_k_block")(src, o, x, y, xs16, 2, d, dmin) == want
+@pytest.mark.skipif(not simd.HAS_AVX512BW, reason="this CPU has no AVX-512BW")
+@pytest.mark.parametrize("name,sums,size,at", [("q4_k", _q4_k_sums, 144, 0), ("q2_k", _q2_k_sums, 84, 80)])
+def test_fdot_k_blocks(rng, name, sums, size, at):
+    """Whole rows (three blocks; and the first alone): sum_b xd[b] (d_b isc_b - dmin_b imin_b), d and dmin the
+    block's fp16 pair at byte `at`."""
+    nb = 3
+    src, x = _bytes(rng, size * nb), np.maximum(_bytes(rng, 256 * nb).view(np.int8), -127)
+    for b in range(nb):
+        src[size * b + at:size * b + at + 4] = _random_halves(rng, 2)
+    xd = rng.uniform(0.01, 1.0, nb).astype(np.float32)
+    xs16 = x.astype(np.int64).reshape(-1, 16).sum(axis=1).astype(np.int32)
+    terms, bound = [], 0.0
+    for b in range(nb):
+        d, dmin = src[size * b + at:size * b + at + 4].view(np.float16).astype(np.float64)
+        isc, imin = sums(src, size * b, x, 256 * b)
+        terms.append(float(xd[b]) * (d * isc - dmin * imin))
+        bound += float(xd[b]) * (abs(d) + abs(dmin)) * 63 * 63 * 127 * 256
+    for blocks in (nb, 1):
+        got = _compiled(f"fdot_{name}_blocks")(src, x, xd, xs16, blocks)
+        assert abs(got - sum(terms[:blocks])) <= 1e-6 * bound, blocks
 
 
 def test_idot_q2_0_block(rng, avx512bw):
