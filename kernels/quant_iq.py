@@ -14,7 +14,7 @@ from gguf import quants as gguf_quants
 
 from .ggml_blocks import f16, half_to_float, u16, u32
 from .quant import register_type
-from .simd import dequant_iq2_xs_block, fdot_iq2_xs_block, idot_iq2_xs_block
+from .simd import HAS_AVX512BW, HAS_F16C, dequant_iq2_xs_block, fdot_iq2_xs_block, fdot_iq2_xs_blocks, idot_iq2_xs_block
 
 IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M = 16, 17, 18, 19, 21, 22, 29
 _QK = 256
@@ -218,6 +218,8 @@ def dot_iq2_xs(src, x):
 def idot_iq2_xs(src, xq, xd):
     """One IQ2_XS row times Q8_K activations (ggml's vec_dot_iq2_xs_q8_K): per 16 values the integer dot of
     the signed grid values with the codes times (2 scale + 1), per 256 d * xd / 8."""
+    if HAS_AVX512BW and HAS_F16C:
+        return fdot_iq2_xs_blocks(_IQ2XS_GRID64, src, xq, xd, xq.shape[0] // _QK)
     acc = np.float32(0.0)
     for b in range(xq.shape[0] // _QK):
         o = b * 74

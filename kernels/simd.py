@@ -578,38 +578,64 @@ def _odd_scales(builder, nib):
                        _vec_const(16, [1] * 4))
 
 
+def _iq2_xs_lanes(context, builder, grid_ty, grid, src_ty, src, o, x_ty, x, xo):
+    """The int32 lanes of one IQ2_XS block (74 bytes at src[o]) times 256 int8 x[xo:], before reduction
+    (<16 x i32>, <32 x i32> without AVX-512BW): per 16 values (2 * 4-bit scale + 1) * (signed grid values . x).
+    The grid points' byte magnitudes and signs come from _iq2_xs_block; the signs go onto x instead, so the
+    magnitudes stay unsigned for vpmaddubsw (AVX-512BW; else vpmaddwd): x must lie in [-127, 127], as ggml's
+    activation codes do (-128 has no negation)."""
+    total = None
+    block = _iq2_xs_block(context, builder, grid_ty, grid, src_ty, src, o)
+    for step in range(4):  # 64 weights: eight groups, four scale nibbles
+        g8, m8, nib = block(step)
+        xs = _negate_where(builder, _load(context, builder, x_ty, x, _at(builder, xo, 64 * step), 64), m8)
+        sc4 = _odd_scales(builder, nib)
+        if HAS_AVX512BW:
+            part = _madd_scaled(builder, g8, xs, _shuffle(builder, sc4, [k // 8 for k in range(32)]))
+        else:
+            part = None
+            for half in range(2):
+                lanes = list(range(32 * half, 32 * half + 32))
+                p = _scaled_products(builder, _shuffle(builder, g8, lanes), _shuffle(builder, sc4, [
+                    2 * half + k // 16 for k in range(32)]), _shuffle(builder, xs, lanes))
+                part = p if part is None else builder.add(part, p)
+        total = part if total is None else builder.add(total, part)
+    return total
+
+
 @intrinsic
 def idot_iq2_xs_block(typingctx, grid, src, o, x, xo):
-    """The integer sum of one IQ2_XS block (74 bytes at src[o]) times 256 int8 x[xo:]: per 16 values
-    (2 * 4-bit scale + 1) * (signed grid values . x). Each group's uint16 (from o + 2) holds a grid point
-    (low 9 bits) and a sign index (high 7 bits); the point's 8 byte magnitudes come from grid (uint64
-    [points]), its signs are computed from the index (_sign_bytes: no second table look-up) and go onto x
-    instead, so the magnitudes stay unsigned for vpmaddubsw (AVX-512BW; else vpmaddwd): x must lie in
-    [-127, 127], as ggml's activation codes do (-128 has no negation). One reduction per block."""
+    """The integer sum of one IQ2_XS block (74 bytes at src[o]) times 256 int8 x[xo:] (_iq2_xs_lanes, reduced).
+    grid: the grid points as uint64 [points] (8 byte magnitudes each)."""
     if not (_u64_table(grid) and _byte_array(src) and _byte_array(x)):
         return None
 
     def codegen(context, builder, sig, args):
-        grid_ty, grid_v, src_ty, src_v, o_v, x_ty, x_v, xo_v = (
-            sig.args[0], args[0], sig.args[1], args[1], args[2], sig.args[3], args[3], args[4])
-        total = None
-        block = _iq2_xs_block(context, builder, grid_ty, grid_v, src_ty, src_v, o_v)
-        for step in range(4):  # 64 weights: eight groups, four scale nibbles
-            g8, m8, nib = block(step)
-            xs = _negate_where(builder, _load(context, builder, x_ty, x_v, _at(builder, xo_v, 64 * step), 64), m8)
-            sc4 = _odd_scales(builder, nib)
-            if HAS_AVX512BW:
-                part = _madd_scaled(builder, g8, xs, _shuffle(builder, sc4, [k // 8 for k in range(32)]))
-            else:
-                part = None
-                for half in range(2):
-                    lanes = list(range(32 * half, 32 * half + 32))
-                    p = _scaled_products(builder, _shuffle(builder, g8, lanes), _shuffle(builder, sc4, [
-                        2 * half + k // 16 for k in range(32)]), _shuffle(builder, xs, lanes))
-                    part = p if part is None else builder.add(part, p)
-            total = part if total is None else builder.add(total, part)
+        total = _iq2_xs_lanes(context, builder, sig.args[0], args[0], sig.args[1], args[1], args[2], sig.args[3],
+                              args[3], args[4])
         return _reduce_add(builder, total, 16 if HAS_AVX512BW else 32)
     return types.int32(grid, src, o, x, xo), codegen
+
+
+@intrinsic
+def fdot_iq2_xs_blocks(typingctx, grid, src, x, xd, blocks):
+    """sum over the first `blocks` IQ2_XS blocks of a row of d_b / 8 * xd[b] * idot_iq2_xs_block's sum, in float
+    lanes (_float_lanes_row; AVX-512BW only)."""
+    if not (_u64_table(grid) and _byte_array(src) and _byte_array(x) and _float_array(xd)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        grid_ty, grid_v, src_ty, src_v, x_ty, x_v, xd_ty, xd_v = (sig.args[0], args[0], sig.args[1], args[1],
+                                                                  sig.args[2], args[2], sig.args[3], args[3])
+
+        def terms(b):
+            o = builder.mul(b, ir.Constant(b.type, 74))
+            total = _iq2_xs_lanes(context, builder, grid_ty, grid_v, src_ty, src_v, o, x_ty, x_v,
+                                  builder.mul(b, ir.Constant(b.type, 256)))
+            d8 = builder.fmul(_half_at(context, builder, src_ty, src_v, o), ir.Constant(ir.FloatType(), 0.125))
+            return [(total, builder.fmul(d8, _elem(context, builder, xd_ty, xd_v, b)))]
+        return _float_lanes_row(context, builder, args[4], terms)
+    return types.float32(grid, src, x, xd, blocks), codegen
 
 
 @intrinsic

@@ -215,27 +215,52 @@ def test_idot_q2_0_block(rng, avx512bw):
         assert _compiled("idot_q2_0_block")(src, o, x, xo, xs16, 3) == want
 
 
-def test_idot_iq2_xs_block(rng, avx512bw):
-    """IQ2_XS blocks against gguf's grid and sign tables, decoded here in numpy."""
+def _iq2_xs_want(src, o, x, xo):
+    """The integer sum of the IQ2_XS block at src[o] with x[xo:xo + 256], decoded here in numpy from gguf's grid
+    and sign tables."""
     from gguf import quants
-    from strata_async.kernels import quant, quant_iq  # noqa: F401 - quant first: it loads the formats in order
 
     quants.IQ2_XS.init_grid()
     grid = quants.IQ2_XS.grid.reshape(512, 8).astype(np.int64)
     ksigns = np.frombuffer(quants.IQ2_XXS.ksigns, np.uint8)
+    codes = src[o + 2:o + 66].copy().view(np.uint16)
+    want = 0
+    for g in range(32):  # 8-value groups; a scale nibble covers two
+        sc = (int(src[o + 66 + g // 4]) >> (4 * ((g // 2) % 2))) & 15
+        sign_bits = int(ksigns[int(codes[g]) >> 9])
+        for j in range(8):
+            v = int(grid[int(codes[g]) & 511, j]) * (-1 if (sign_bits >> j) & 1 else 1)
+            want += (2 * sc + 1) * v * int(x[xo + 8 * g + j])
+    return want
+
+
+def test_idot_iq2_xs_block(rng, avx512bw):
+    """IQ2_XS blocks against gguf's grid and sign tables."""
+    from strata_async.kernels import quant, quant_iq  # noqa: F401 - quant first: it loads the formats in order
+
     src, x = _bytes(rng, 200), np.maximum(_bytes(rng, 300).view(np.int8), -127)  # ggml's codes: never -128
     src[3:11] = (0, 0, 255, 1, 255, 255, 0, 2)  # codes 0, 511, 65535, 512 in the first block at o = 1
     src[67:69] = (0xF0, 0x0F)  # scales 15 and 0 side by side
     for o, xo in [(1, 0), (100, 41)]:
-        codes = src[o + 2:o + 66].view(np.uint16)
-        want = 0
-        for g in range(32):  # 8-value groups; a scale nibble covers two
-            sc = (int(src[o + 66 + g // 4]) >> (4 * ((g // 2) % 2))) & 15
-            sign_bits = int(ksigns[int(codes[g]) >> 9])
-            for j in range(8):
-                v = int(grid[int(codes[g]) & 511, j]) * (-1 if (sign_bits >> j) & 1 else 1)
-                want += (2 * sc + 1) * v * int(x[xo + 8 * g + j])
-        assert _compiled("idot_iq2_xs_block")(quant_iq._IQ2XS_GRID64, src, o, x, xo) == want
+        assert _compiled("idot_iq2_xs_block")(quant_iq._IQ2XS_GRID64, src, o, x, xo) == _iq2_xs_want(src, o, x, xo)
+
+
+@pytest.mark.skipif(not simd.HAS_AVX512BW, reason="this CPU has no AVX-512BW")
+def test_fdot_iq2_xs_blocks(rng):
+    """Whole IQ2_XS rows (three blocks; and the first alone): sum_b d_b / 8 * xd[b] * the block's integer sum."""
+    from strata_async.kernels import quant, quant_iq  # noqa: F401
+
+    nb = 3
+    src, x = _bytes(rng, 74 * nb), np.maximum(_bytes(rng, 256 * nb).view(np.int8), -127)
+    for b in range(nb):
+        src[74 * b:74 * b + 2] = _random_halves(rng, 1)
+    xd = rng.uniform(0.01, 1.0, nb).astype(np.float32)
+    d = src.reshape(nb, 74)[:, :2].copy().view(np.float16).astype(np.float64).reshape(-1)
+    terms = [d[b] / 8 * float(xd[b]) * _iq2_xs_want(src, 74 * b, x, 256 * b) for b in range(nb)]
+    bound = float(np.abs(d * xd).sum()) / 8 * 31 * 43 * 127 * 256
+    for blocks in (nb, 1):
+        got = _compiled("fdot_iq2_xs_blocks")(quant_iq._IQ2XS_GRID64, src, x, xd, blocks)
+        assert abs(got - sum(terms[:blocks])) <= 1e-6 * bound, blocks
 
 
 @numba.njit
