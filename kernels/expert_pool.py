@@ -23,21 +23,12 @@ from .activations import swiglu_block
 from .grouped_codes import down_codes, gate_up_codes
 from .int_matmul import TokenCodes, quantize_tokens, use_codes
 from .quant import _check_weights, _format, activation_block, quantize_activations
-from .quant_dispatch import (_FASTMATH, _dot, dequant_row, fused_dot, has_fused_dot, has_int_dot, int_dot,
-                             prefetch_row)
+from .quant_dispatch import _FASTMATH, dequant_row, float_dots, has_int_dot, int_dots
 from .quant_dot import block_sums32
 from .quant_int import quantize_q8_sums
 from .small_matmul import matmul_nt_regs
 
 _ROWS_PER_TASK = 16  # rows per parallel task: enough work per task, enough tasks for every core
-
-
-@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
-def _row_dot(t, src, x, xsum32, scratch):
-    if has_fused_dot(t):
-        return fused_dot(t, src, x, xsum32)
-    dequant_row(t, src, scratch)
-    return _dot(scratch, x)
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
@@ -84,16 +75,16 @@ def _swiglu_experts(tg, gate, tu, up, td, down, x, ids, weights, out):
         block_sums32(x, xsum32)
     h = np.empty((k, ffn), np.float32)
     per_expert = (ffn + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
+    u = np.empty((k * per_expert, _ROWS_PER_TASK), np.float32)  # each task's up products
     for task in numba.prange(k * per_expert):
-        j = task // per_expert
+        j, r0, r1 = _task_rows(task, per_expert, ffn)
         e = ids[j]
         scratch = np.empty(x.shape[0], np.float32)
-        for r in range((task % per_expert) * _ROWS_PER_TASK, min(ffn, (task % per_expert + 1) * _ROWS_PER_TASK)):
-            prefetch_row(gate[e], r)
-            prefetch_row(up[e], r)
-            g = _row_dot(tg, gate[e, r], x, xsum32, scratch)
-            u = _row_dot(tu, up[e, r], x, xsum32, scratch)
-            h[j, r] = g / (np.float32(1.0) + np.exp(-g)) * u * weights[j]
+        float_dots(tg, gate[e], r0, r1, x, xsum32, scratch, h[j], r0)
+        float_dots(tu, up[e], r0, r1, x, xsum32, scratch, u[task], 0)
+        for r in range(r0, r1):
+            g = h[j, r]
+            h[j, r] = g / (np.float32(1.0) + np.exp(-g)) * u[task, r - r0] * weights[j]
     hsum32 = np.empty((k, max(1, ffn // 32)), np.float32)
     if ffn % 32 == 0:
         for j in range(k):
@@ -101,12 +92,10 @@ def _swiglu_experts(tg, gate, tu, up, td, down, x, ids, weights, out):
     per_expert = (hidden + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
     y = np.empty((k, hidden), np.float32)
     for task in numba.prange(k * per_expert):
-        j = task // per_expert
+        j, r0, r1 = _task_rows(task, per_expert, hidden)
         e = ids[j]
         scratch = np.empty(ffn, np.float32)
-        for r in range((task % per_expert) * _ROWS_PER_TASK, min(hidden, (task % per_expert + 1) * _ROWS_PER_TASK)):
-            prefetch_row(down[e], r)
-            y[j, r] = _row_dot(td, down[e, r], h[j], hsum32[j], scratch)
+        float_dots(td, down[e], r0, r1, h[j], hsum32[j], scratch, y[j], r0)
     _add_experts(y, out)
 
 
@@ -123,15 +112,15 @@ def _swiglu_experts_int(tg, gate, tu, up, td, down, x, x_block, h_block, ids, we
     quantize_q8_sums(x, x_block, xq, xd, xs)
     h = np.empty((k, ffn), np.float32)
     per_expert = (ffn + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
+    u = np.empty((k * per_expert, _ROWS_PER_TASK), np.float32)  # each task's up products
     for task in numba.prange(k * per_expert):
-        j = task // per_expert
+        j, r0, r1 = _task_rows(task, per_expert, ffn)
         e = ids[j]
-        for r in range((task % per_expert) * _ROWS_PER_TASK, min(ffn, (task % per_expert + 1) * _ROWS_PER_TASK)):
-            prefetch_row(gate[e], r)
-            prefetch_row(up[e], r)
-            g = int_dot(tg, gate[e, r], xq, xd, xs)
-            u = int_dot(tu, up[e, r], xq, xd, xs)
-            h[j, r] = g / (np.float32(1.0) + np.exp(-g)) * u
+        int_dots(tg, gate[e], r0, r1, xq, xd, xs, h[j], r0)
+        int_dots(tu, up[e], r0, r1, xq, xd, xs, u[task], 0)
+        for r in range(r0, r1):
+            g = h[j, r]
+            h[j, r] = g / (np.float32(1.0) + np.exp(-g)) * u[task, r - r0]
     hq = np.empty((k, ffn), np.int8)
     hd = np.empty((k, ffn // h_block), np.float32)
     hs = np.empty((k, ffn // 16), np.int32)
@@ -140,11 +129,11 @@ def _swiglu_experts_int(tg, gate, tu, up, td, down, x, x_block, h_block, ids, we
     per_expert = (hidden + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
     y = np.empty((k, hidden), np.float32)
     for task in numba.prange(k * per_expert):
-        j = task // per_expert
+        j, r0, r1 = _task_rows(task, per_expert, hidden)
         e = ids[j]
-        for r in range((task % per_expert) * _ROWS_PER_TASK, min(hidden, (task % per_expert + 1) * _ROWS_PER_TASK)):
-            prefetch_row(down[e], r)
-            y[j, r] = weights[j] * int_dot(td, down[e, r], hq[j], hd[j], hs[j])
+        int_dots(td, down[e], r0, r1, hq[j], hd[j], hs[j], y[j], r0)
+        for r in range(r0, r1):
+            y[j, r] *= weights[j]
     _add_experts(y, out)
 
 

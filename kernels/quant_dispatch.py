@@ -103,6 +103,8 @@ def dequant_rows_serial(t, w, out):
 # stalls at each page start: asking for the row 4 ahead took decode's output head (Q6_K, 255 MB) from
 # ~9.7 to 12-13 GB/s on 2 threads, about what this machine reads at best (bench/README.md).
 PREFETCH_ROWS = 4
+# Rows per parallel task of a matrix-vector product (float_dots / int_dots take a task's rows in one call).
+ROW_TASK = 16
 
 
 @numba.njit(inline="always", nogil=True)
@@ -129,45 +131,64 @@ def has_fused_dot(t):
     return t == Q8_0 or t == Q4_K or t == Q6_K or t == IQ2_XS or t == Q2_K or t == Q2_0 or t == F32
 
 
-@numba.njit(inline="always", nogil=True)
-def fused_dot(t, src, x, xsum32):
-    """Dot product of one row of a has_fused_dot type with x (xsum32: x's per-32 sums, from block_sums32)."""
+@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def _f32_dot(src, x, xsum32):
+    return _dot(src.view(np.float32), x)
+
+
+@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def _fused_rows(dot, w, r0, r1, x, xsum32, out, o0):
+    for r in range(r0, r1):
+        prefetch_row(w, r)
+        out[o0 + r - r0] = dot(w[r], x, xsum32)
+
+
+@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def _decoded_rows(t, w, r0, r1, x, scratch, out, o0):
+    for r in range(r0, r1):
+        prefetch_row(w, r)
+        dequant_row(t, w[r], scratch)
+        out[o0 + r - r0] = _dot(scratch, x)
+
+
+@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def float_dots(t, w, r0, r1, x, xsum32, scratch, out, o0):
+    """out[o0 + r - r0] = row r of w times float32 x for r0 <= r < r1, each row's lines requested PREFETCH_ROWS
+    ahead: fused block dots where the type has them (xsum32: x's per-32 sums, from block_sums32), else each row
+    decoded into scratch (float32, a row long) and dotted. The type's branch is taken once a call, not once a
+    row: with it inside the row loop (every type's dot inlined in one loop body) the integer dots ran 25-30%
+    slower. Every row dot takes (src, x, xsum32), the integer ones (src, xq, xd, xs16), used or not: Numba's
+    inlining binds each branch's call to its function."""
     if t == Q4_K:
-        return dot_q4_k(src, x, xsum32)
-    if t == Q6_K:
-        return dot_q6_k(src, x)
-    if t == IQ2_XS:
-        return dot_iq2_xs(src, x)
-    if t == Q2_K:
-        return dot_q2_k(src, x)
-    if t == Q2_0:
-        return dot_q2_0(src, x)
-    if t == F32:
-        return _dot(src.view(np.float32), x)
-    return dot_q8_0(src, x)
+        _fused_rows(dot_q4_k, w, r0, r1, x, xsum32, out, o0)
+    elif t == Q6_K:
+        _fused_rows(dot_q6_k, w, r0, r1, x, xsum32, out, o0)
+    elif t == IQ2_XS:
+        _fused_rows(dot_iq2_xs, w, r0, r1, x, xsum32, out, o0)
+    elif t == Q2_K:
+        _fused_rows(dot_q2_k, w, r0, r1, x, xsum32, out, o0)
+    elif t == Q2_0:
+        _fused_rows(dot_q2_0, w, r0, r1, x, xsum32, out, o0)
+    elif t == F32:
+        _fused_rows(_f32_dot, w, r0, r1, x, xsum32, out, o0)
+    elif t == Q8_0:
+        _fused_rows(dot_q8_0, w, r0, r1, x, xsum32, out, o0)
+    else:
+        _decoded_rows(t, w, r0, r1, x, scratch, out, o0)
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def _matvec_rows(t, w, x, out):
-    """out = W @ x, W given as rows of ggml blocks: fused block dots where the type has them, else each
-    row decoded into a scratch row and dotted. prange: parallel in matvec, a plain loop in matvec_serial."""
+    """out = W @ x, W given as rows of ggml blocks (float_dots), 16 rows a task. prange: parallel in matvec, a
+    plain loop in matvec_serial."""
     n_rows = w.shape[0]
-    if has_fused_dot(t):
-        xsum32 = np.empty(x.shape[0] // 32, np.float32)
+    xsum32 = np.empty(max(1, x.shape[0] // 32), np.float32)
+    if x.shape[0] % 32 == 0:
         block_sums32(x, xsum32)
-        for r in numba.prange(n_rows):
-            prefetch_row(w, r)
-            out[r] = fused_dot(t, w[r], x, xsum32)
-        return
-    # One scratch row per chunk of rows: prange bodies cannot share a buffer.
-    n_chunks = min(n_rows, 64)
-    per = (n_rows + n_chunks - 1) // n_chunks
-    for c in numba.prange(n_chunks):
-        buf = np.empty(x.shape[0], np.float32)
-        for r in range(c * per, min(n_rows, (c + 1) * per)):
-            prefetch_row(w, r)
-            dequant_row(t, w[r], buf)
-            out[r] = _dot(buf, x)
+    fused = has_fused_dot(t)
+    for c in numba.prange((n_rows + ROW_TASK - 1) // ROW_TASK):
+        scratch = xsum32 if fused else np.empty(x.shape[0], np.float32)  # an allocation only where it is used
+        float_dots(t, w, ROW_TASK * c, min(n_rows, ROW_TASK * (c + 1)), x, xsum32, scratch, out, ROW_TASK * c)
 
 
 # fastmath here too: inlined dots take the flags of the function they are compiled into.
@@ -210,28 +231,36 @@ def has_int_dot(t: int) -> bool:
     return t in INT_DOT_TYPES
 
 
-@numba.njit(inline="always", nogil=True)
-def int_dot(t, src, xq, xd, xs16):
-    """Dot product of one row of a has_int_dot type with quantized activations (xq codes, xd block scales,
-    xs16 the codes' 16-sums)."""
+@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def _int_rows(dot, w, r0, r1, xq, xd, xs16, out, o0):
+    for r in range(r0, r1):
+        prefetch_row(w, r)
+        out[o0 + r - r0] = dot(w[r], xq, xd, xs16)
+
+
+@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def int_dots(t, w, r0, r1, xq, xd, xs16, out, o0):
+    """out[o0 + r - r0] = row r of w (a has_int_dot type) times quantized activations (xq codes, xd block scales,
+    xs16 the codes' 16-sums) for r0 <= r < r1, each row's lines requested PREFETCH_ROWS ahead; the type's branch
+    taken once a call (see float_dots)."""
     if t == Q4_K:
-        return idot_q4_k(src, xq, xd, xs16)
-    if t == Q6_K:
-        return idot_q6_k(src, xq, xd, xs16)
-    if t == IQ2_XS:
-        return idot_iq2_xs(src, xq, xd)
-    if t == Q2_K:
-        return idot_q2_k(src, xq, xd, xs16)
-    if t == Q2_0:
-        return idot_q2_0(src, xq, xd, xs16)
-    return idot_q8_0(src, xq, xd)
+        _int_rows(idot_q4_k, w, r0, r1, xq, xd, xs16, out, o0)
+    elif t == Q6_K:
+        _int_rows(idot_q6_k, w, r0, r1, xq, xd, xs16, out, o0)
+    elif t == IQ2_XS:
+        _int_rows(idot_iq2_xs, w, r0, r1, xq, xd, xs16, out, o0)
+    elif t == Q2_K:
+        _int_rows(idot_q2_k, w, r0, r1, xq, xd, xs16, out, o0)
+    elif t == Q2_0:
+        _int_rows(idot_q2_0, w, r0, r1, xq, xd, xs16, out, o0)
+    else:
+        _int_rows(idot_q8_0, w, r0, r1, xq, xd, xs16, out, o0)
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def _matvec_int_rows(t, w, xq, xd, xs16, out):
-    for r in numba.prange(w.shape[0]):
-        prefetch_row(w, r)
-        out[r] = int_dot(t, w[r], xq, xd, xs16)
+    for c in numba.prange((w.shape[0] + ROW_TASK - 1) // ROW_TASK):
+        int_dots(t, w, ROW_TASK * c, min(w.shape[0], ROW_TASK * (c + 1)), xq, xd, xs16, out, ROW_TASK * c)
 
 
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)

@@ -30,7 +30,7 @@ def block_sums32(x, out):
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
-def dot_q8_0(src, x):
+def dot_q8_0(src, x, xsum32):
     """sum_i w_i x_i for one Q8_0 row (blocks: fp16 d, 32 int8)."""
     acc = np.float32(0.0)
     for b in range(x.shape[0] // 32):
@@ -50,7 +50,7 @@ def dot_q4_k(src, x, xsum32):
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
-def dot_q6_k(src, x):
+def dot_q6_k(src, x, xsum32):
     """One Q6_K row: 16-weight runs with int8 scales, values (6-bit code - 32)."""
     acc = np.float32(0.0)
     for b in range(x.shape[0] // 256):

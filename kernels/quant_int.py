@@ -106,7 +106,7 @@ def quantize_q8_sums(x, block, xq, xd, xs16):
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
-def idot_q8_0(src, xq, xd):
+def idot_q8_0(src, xq, xd, xs16):
     """One Q8_0 row (fp16 d, 32 int8 per block) times Q8_0 activations."""
     acc = np.float32(0.0)
     first = 0

@@ -204,7 +204,7 @@ register_type(IQ1_M, "IQ1_M", _QK, 56, act_block=_Q8_K)
 
 
 @numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
-def dot_iq2_xs(src, x):
+def dot_iq2_xs(src, x, xsum32):
     """One IQ2_XS row times float32 x, straight from the blocks: per 256 d / 8 * sum (2 s + 1) value x (the
     decoded row and a float dot had cost 0.27-0.37 ns per weight)."""
     acc = np.float32(0.0)
@@ -215,7 +215,7 @@ def dot_iq2_xs(src, x):
 
 
 @numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
-def idot_iq2_xs(src, xq, xd):
+def idot_iq2_xs(src, xq, xd, xs16):
     """One IQ2_XS row times Q8_K activations (ggml's vec_dot_iq2_xs_q8_K): per 16 values the integer dot of
     the signed grid values with the codes times (2 scale + 1), per 256 d * xd / 8."""
     if HAS_AVX512BW and HAS_F16C:

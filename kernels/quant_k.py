@@ -83,7 +83,7 @@ def dequant_q2_k(src, dst):
 
 
 @numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
-def dot_q2_k(src, x):
+def dot_q2_k(src, x, xsum32):
     """One Q2_K row times float32 x, straight from the blocks (simd.fdot_q2_k_block)."""
     acc = np.float32(0.0)
     for b in range(x.shape[0] // _QK_K):

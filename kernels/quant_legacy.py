@@ -97,7 +97,7 @@ def dequant_q2_0(src, dst):
 
 
 @numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
-def dot_q2_0(src, x):
+def dot_q2_0(src, x, xsum32):
     """One Q2_0 row times float32 x, straight from the blocks: per block d * sum (code - 1) x."""
     acc = np.float32(0.0)
     for b in range(x.shape[0] // _QK2):
