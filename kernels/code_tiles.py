@@ -9,8 +9,12 @@ precisely the values ggml's blocks encode, as the float decoders do (tests compa
 The tile of a prompt chunk's expert is decoded for a handful of tokens, so its decode is a real part of the work:
 each row's codes come from vector shifts and masks of its packed bytes (simd_gemm's unpackers, 32-64 codes a
 step) into a small staging chunk, and one 16 x 16 word transpose per 64 values interleaves 16 rows at once
-(in-cache 0.08-0.11 ns per weight for Q8_0, Q4_K, Q6_K, Q2_0, 0.15-0.16 for Q2_K and IQ2_XS; writing the words
-one by one at their interleaved places, with Numba's indexing, had cost 0.2-0.7).
+(writing the words one by one at their interleaved places, with Numba's indexing, had cost 0.2-0.7 ns per
+weight). A K-quant or IQ2_XS block's 16 scales and biases are computed in one vector and stored at the tile's
+stride (simd_gemm.*_scales16; scalar stores through Numba's indexing had taken 35-45% of the decode), IQ2_XS
+codes come from the 4 KiB grid with signs computed from the code bits (a 512 KiB table of whole groups, one
+look-up per 8 codes, was 1.3x slower). In cache on one AMD EPYC core: 0.066-0.078 ns per weight for Q8_0,
+Q4_K, Q6_K, Q2_K, Q2_0, 0.096 for IQ2_XS (Q2_K 0.122, Q6_K 0.089, IQ2_XS 0.154 before the vector scales).
 """
 
 import numba
@@ -18,23 +22,13 @@ import numpy as np
 
 from . import quant  # noqa: F401 - first: the format modules import each other through it
 from .ggml_blocks import f16
-from .quant_iq import _IQ2XS_GRID, _KSIGNS, IQ2_XS
+from .quant_iq import _IQ2XS_GRID64, IQ2_XS
 from .quant_k import Q2_K, Q4_K, Q6_K, _scale_min_k4
 from .quant_legacy import Q2_0
 from .quant_q8 import Q8_0
-from .simd_gemm import ROWS, crumb_codes64, interleave16, lookup_codes64, q6_codes32, unpack_codes32
+from .simd_gemm import (ROWS, crumb_codes64, interleave16, iq2_xs_codes256, iq2_xs_scales16, q2_k_scales16,
+                        q6_codes32, q6_k_scales16, unpack_codes32)
 
-def _iq2_xs_codes() -> np.ndarray:
-    """IQ2_XS group (16 bits: grid point, 7 sign bits) -> its 8 codes 43 +- grid value as the bytes of a uint64
-    (the eighth sign makes the count of minus signs even, as ggml's ksigns): one look-up per 8 codes, 512 KiB."""
-    group = np.arange(1 << 16)
-    signs = _KSIGNS[group >> 9].astype(np.int64)
-    negative = (signs[:, None] >> np.arange(8)) & 1
-    codes = 43 + np.where(negative == 1, -1, 1) * _IQ2XS_GRID[group & 511].astype(np.int64)
-    return np.ascontiguousarray(codes.astype(np.uint8)).view(np.uint64).reshape(-1)
-
-
-_IQ2_XS_CODES = _iq2_xs_codes()
 # Types with a code tile, and their sub-block length (values per scale and bias).
 SUB_BLOCK = {Q8_0: 32, Q4_K: 32, Q2_0: 32, Q6_K: 16, Q2_K: 16, IQ2_XS: 16}
 
@@ -82,11 +76,7 @@ def _codes_q4_k(src, v0, dst, i, scale, bias):
 def _codes_q6_k(src, v0, dst, i, scale, bias):
     b = v0 // 256
     o = 210 * b
-    d = f16(src, o + 208)
-    for j in range(16):
-        dsc = d * np.float32(np.int8(src[o + 192 + j]))
-        scale[ROWS * (16 * b + j) + i] = dsc
-        bias[ROWS * (16 * b + j) + i] = np.float32(-32.0) * dsc
+    q6_k_scales16(src, o, f16(src, o + 208), scale, bias, ROWS * 16 * b + i)
     for half in range(2):  # value 128 half + 32 q + l: ql nibble, qh bit pair q (dequant_q6_k)
         ql, qh, y = o + 64 * half, o + 128 + 32 * half, 128 * half
         for q in range(4):  # quarter q: the low (q < 2) or high nibbles of ql bytes 32 (q % 2) + l
@@ -97,12 +87,7 @@ def _codes_q6_k(src, v0, dst, i, scale, bias):
 def _codes_q2_k(src, v0, dst, i, scale, bias):
     b = v0 // 256
     o = 84 * b
-    d = f16(src, o + 80)
-    dmin = f16(src, o + 82)
-    for j in range(16):  # sub-block j's (scale, min) byte
-        v = src[o + j]
-        scale[ROWS * (16 * b + j) + i] = d * np.float32(v & 0xF)
-        bias[ROWS * (16 * b + j) + i] = -(dmin * np.float32(v >> 4))
+    q2_k_scales16(src, o, f16(src, o + 80), f16(src, o + 82), scale, bias, ROWS * 16 * b + i)
     for half in range(2):  # value 128 half + 32 q + l: bits 2 q of qs byte 32 half + l
         qs, y = o + 16 + 32 * half, 128 * half
         for q in range(4):
@@ -113,15 +98,8 @@ def _codes_q2_k(src, v0, dst, i, scale, bias):
 def _codes_iq2_xs(src, v0, dst, i, scale, bias):
     b = v0 // 256
     o = 74 * b
-    d = f16(src, o)
-    for ib in range(8):
-        sc = src[o + 66 + ib]
-        for h in range(2):
-            db = d * (np.float32(0.5) + np.float32((sc >> (4 * h)) & 0xF)) * np.float32(0.25)
-            scale[ROWS * (16 * b + 2 * ib + h) + i] = db
-            bias[ROWS * (16 * b + 2 * ib + h) + i] = np.float32(-43.0) * db
-    for step in range(4):
-        lookup_codes64(_IQ2_XS_CODES, src, o + 2 + 16 * step, dst, 64 * step)
+    iq2_xs_scales16(src, o, f16(src, o), scale, bias, ROWS * 16 * b + i)
+    iq2_xs_codes256(_IQ2XS_GRID64, src, o, dst, 0)
 
 
 @numba.njit(inline="always", nogil=True)

@@ -23,7 +23,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import HAS_VNNI, _array_1d, _byte_array, _dpbusd, _load, _splat, _splat_f, _store
+from .simd import HAS_VNNI, _array_1d, _byte_array, _dpbusd, _iq2_xs_block, _load, _splat, _splat_f, _store
 
 
 ROWS = 16  # rows per tile: one 512-bit vector of int32 lanes
@@ -215,24 +215,103 @@ def crumb_codes64(typingctx, src, o, dst, y):
 
 
 @intrinsic
-def lookup_codes64(typingctx, table, src, qo, dst, y):
-    """dst[y + 8 g : y + 8 g + 8] = the 8 bytes of table[u16 code g at byte qo + 2 g of src] for g < 8: a whole
-    group's codes in one load from a table indexed by the group's 16 bits (IQ2_XS: 9-bit grid point, 7 signs)."""
-    if not (_array_1d(table, types.uint64) and _byte_array(src) and _byte_array(dst)):
+def iq2_xs_codes256(typingctx, grid, src, o, dst, y):
+    """dst[y:y + 256] = the codes 43 +- grid value of the IQ2_XS block at src[o] (grid: uint64 [points], 8 byte
+    magnitudes each): the points by a load each from the 4 KiB grid and the signs computed from the code bits
+    (simd._iq2_xs_block, as the decode dot takes them)."""
+    if not (_array_1d(grid, types.uint64) and _byte_array(src) and _byte_array(dst)):
         return None
 
     def codegen(context, builder, sig, args):
-        table_v, src_v, qo_v, dst_v, y_v = args
-        pt = _data(context, builder, sig.args[0], table_v)
-        ps = _data(context, builder, sig.args[1], src_v)
-        pd = _data(context, builder, sig.args[3], dst_v)
-        qo_v, y_v = _i64(builder, qo_v), _i64(builder, y_v)
-        i16p = ir.IntType(16).as_pointer()
-        for g in range(8):
-            code = builder.load(builder.bitcast(builder.gep(ps, [builder.add(qo_v, ir.Constant(_I64, 2 * g))]), i16p),
-                                align=1)
-            word = builder.load(builder.gep(pt, [builder.zext(code, _I64)]))
-            out = builder.bitcast(builder.gep(pd, [builder.add(y_v, ir.Constant(_I64, 8 * g))]), _I64.as_pointer())
-            builder.store(word, out, align=1)
+        grid_v, src_v, o_v, dst_v, y_v = args
+        block = _iq2_xs_block(context, builder, sig.args[0], grid_v, sig.args[1], src_v, o_v)
+        v64 = ir.VectorType(_I8, 64)
+        c43 = ir.Constant(v64, [43] * 64)
+        for step in range(4):
+            g8, m8, _ = block(step)
+            codes = builder.select(builder.trunc(m8, ir.VectorType(ir.IntType(1), 64)), builder.sub(c43, g8),
+                                   builder.add(c43, g8))
+            _store(context, builder, sig.args[3], dst_v, builder.add(y_v, ir.Constant(y_v.type, 64 * step)), codes)
         return context.get_dummy_value()
-    return types.none(table, src, qo, dst, y), codegen
+    return types.none(grid, src, o, dst, y), codegen
+
+
+def _tile_scales16(context, builder, scale_ty, scale_v, bias_ty, bias_v, at_v, sc, bi):
+    """Store the <16 x float> scales sc and biases bi of 16 consecutive sub-blocks of one tile row at the tile's
+    stride: scale[at + 16 j] = sc[j], bias[at + 16 j] = bi[j]."""
+    ps = _data(context, builder, scale_ty, scale_v)
+    pb = _data(context, builder, bias_ty, bias_v)
+    at_v = _i64(builder, at_v)
+    for j in range(16):
+        off = builder.add(at_v, ir.Constant(_I64, ROWS * j))
+        builder.store(builder.extract_element(sc, ir.Constant(_I32, j)), builder.gep(ps, [off]))
+        builder.store(builder.extract_element(bi, ir.Constant(_I32, j)), builder.gep(pb, [off]))
+
+
+def _nibbles16(builder, sb, lanes, shifts):
+    """<16 x float> of (sb[lanes[j]] >> shifts[j]) & 15 for bytes sb."""
+    v = builder.shuffle_vector(sb, sb, ir.Constant(ir.VectorType(_I32, 16), lanes))
+    nib = builder.and_(builder.lshr(v, ir.Constant(ir.VectorType(_I8, 16), shifts)),
+                       ir.Constant(ir.VectorType(_I8, 16), [15] * 16))
+    return builder.uitofp(nib, ir.VectorType(ir.FloatType(), 16))
+
+
+@intrinsic
+def q2_k_scales16(typingctx, src, o, d, dmin, scale, bias, at):
+    """The 16 sub-block scales and biases of the Q2_K block at src[o] (fp16 d and dmin given as floats) into a
+    code tile: scale[at + 16 j] = d * (byte j & 15), bias[at + 16 j] = -(dmin * (byte j >> 4)); one vector,
+    stored at the tile's stride (_tile_scales16). Scalar stores through Numba's indexing had cost ~40% of the
+    tile decode."""
+    if not _tile_args(src, scale, bias):
+        return None
+
+    def codegen(context, builder, sig, args):
+        src_v, o_v, d_v, dmin_v, scale_v, bias_v, at_v = args
+        sb = _load(context, builder, sig.args[0], src_v, o_v, 16)
+        sc = builder.fmul(_splat_f(builder, d_v, 16), _nibbles16(builder, sb, list(range(16)), [0] * 16))
+        mn = builder.fmul(_splat_f(builder, dmin_v, 16), _nibbles16(builder, sb, list(range(16)), [4] * 16))
+        _tile_scales16(context, builder, sig.args[4], scale_v, sig.args[5], bias_v, at_v, sc, builder.fneg(mn))
+        return context.get_dummy_value()
+    return types.none(src, o, d, dmin, scale, bias, at), codegen
+
+
+def _d_scales_codegen(at_byte, n_bytes, levels, post, offset):
+    """The codegen of a block's 16 scales d * levels(bytes) * post into a code tile, biases offset times them
+    (_tile_scales16): levels maps the <n_bytes x i8> at src[o + at_byte] to <16 x float>."""
+    def codegen(context, builder, sig, args):
+        src_v, o_v, d_v, scale_v, bias_v, at_v = args
+        v16f = ir.VectorType(ir.FloatType(), 16)
+        sb = _load(context, builder, sig.args[0], src_v, builder.add(o_v, ir.Constant(o_v.type, at_byte)), n_bytes)
+        sc = builder.fmul(builder.fmul(_splat_f(builder, d_v, 16), levels(builder, sb)), ir.Constant(v16f, [post] * 16))
+        _tile_scales16(context, builder, sig.args[3], scale_v, sig.args[4], bias_v, at_v, sc,
+                       builder.fmul(sc, ir.Constant(v16f, [offset] * 16)))
+        return context.get_dummy_value()
+    return codegen
+
+
+def _tile_args(src, scale, bias) -> bool:
+    return _byte_array(src) and _array_1d(scale, types.float32) and _array_1d(bias, types.float32)
+
+
+@intrinsic
+def q6_k_scales16(typingctx, src, o, d, scale, bias, at):
+    """The 16 sub-block scales of the Q6_K block at src[o] (its fp16 d given as a float) into a code tile:
+    scale[at + 16 j] = d * int8 scale j, bias[at + 16 j] = -32 times it (_tile_scales16)."""
+    if not _tile_args(src, scale, bias):
+        return None
+    return types.none(src, o, d, scale, bias, at), _d_scales_codegen(
+        192, 16, lambda builder, sb: builder.sitofp(sb, ir.VectorType(ir.FloatType(), 16)), 1.0, -32.0)
+
+
+@intrinsic
+def iq2_xs_scales16(typingctx, src, o, d, scale, bias, at):
+    """The 16 sub-block scales of the IQ2_XS block at src[o] (its fp16 d given as a float) into a code tile:
+    scale[at + 16 j] = d * (0.5 + s_j) * 0.25 (ggml's order), bias[at + 16 j] = -43 times it, s_j the 4-bit
+    scale of values 16 j .. 16 j + 15 (_tile_scales16)."""
+    if not _tile_args(src, scale, bias):
+        return None
+
+    def levels(builder, sb):
+        nib = _nibbles16(builder, sb, [j // 2 for j in range(16)], [0, 4] * 8)
+        return builder.fadd(ir.Constant(ir.VectorType(ir.FloatType(), 16), [0.5] * 16), nib)
+    return types.none(src, o, d, scale, bias, at), _d_scales_codegen(66, 8, levels, 0.25, -43.0)
