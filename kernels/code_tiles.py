@@ -23,11 +23,11 @@ import numpy as np
 from . import quant  # noqa: F401 - first: the format modules import each other through it
 from .ggml_blocks import f16
 from .quant_iq import _IQ2XS_GRID64, IQ2_XS
-from .quant_k import Q2_K, Q4_K, Q6_K, _scale_min_k4
+from .quant_k import Q2_K, Q4_K, Q6_K
 from .quant_legacy import Q2_0
 from .quant_q8 import Q8_0
 from .simd_gemm import (ROWS, crumb_codes64, interleave16, iq2_xs_codes256, iq2_xs_scales16, q2_k_scales16,
-                        q6_codes32, q6_k_scales16, unpack_codes32)
+                        q4_k_scales8, q6_codes32, q6_k_scales16, unpack_codes32)
 
 # Types with a code tile, and their sub-block length (values per scale and bias).
 SUB_BLOCK = {Q8_0: 32, Q4_K: 32, Q2_0: 32, Q6_K: 16, Q2_K: 16, IQ2_XS: 16}
@@ -61,12 +61,7 @@ def _codes_q8_0(src, v0, dst, i, scale, bias):
 def _codes_q4_k(src, v0, dst, i, scale, bias):
     b = v0 // 256
     o = 144 * b
-    d = f16(src, o)
-    dmin = f16(src, o + 2)
-    for j in range(8):
-        sc, m = _scale_min_k4(src, o + 4, j)
-        scale[ROWS * (8 * b + j) + i] = d * np.float32(sc)
-        bias[ROWS * (8 * b + j) + i] = -(dmin * np.float32(m))
+    q4_k_scales8(src, o, f16(src, o), f16(src, o + 2), scale, bias, ROWS * 8 * b + i)
     for g in range(4):  # 32 bytes: low nibbles are sub-block 2 g, high nibbles 2 g + 1
         unpack_codes32(src, o + 16 + 32 * g, 0, 0xF, 0, dst, 64 * g)
         unpack_codes32(src, o + 16 + 32 * g, 4, 0xF, 0, dst, 64 * g + 32)

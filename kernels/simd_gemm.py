@@ -23,7 +23,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import HAS_VNNI, _array_1d, _byte_array, _dpbusd, _iq2_xs_block, _load, _splat, _splat_f, _store
+from .simd import (HAS_VNNI, _array_1d, _byte_array, _dpbusd, _iq2_xs_block, _load, _q4_k_scales_mins, _splat, _splat_f,
+                   _store)
 
 
 ROWS = 16  # rows per tile: one 512-bit vector of int32 lanes
@@ -237,12 +238,12 @@ def iq2_xs_codes256(typingctx, grid, src, o, dst, y):
 
 
 def _tile_scales16(context, builder, scale_ty, scale_v, bias_ty, bias_v, at_v, sc, bi):
-    """Store the <16 x float> scales sc and biases bi of 16 consecutive sub-blocks of one tile row at the tile's
-    stride: scale[at + 16 j] = sc[j], bias[at + 16 j] = bi[j]."""
+    """Store the <n x float> scales sc and biases bi of n consecutive sub-blocks of one tile row at the tile's
+    stride: scale[at + 16 j] = sc[j], bias[at + 16 j] = bi[j] for j < n."""
     ps = _data(context, builder, scale_ty, scale_v)
     pb = _data(context, builder, bias_ty, bias_v)
     at_v = _i64(builder, at_v)
-    for j in range(16):
+    for j in range(sc.type.count):
         off = builder.add(at_v, ir.Constant(_I64, ROWS * j))
         builder.store(builder.extract_element(sc, ir.Constant(_I32, j)), builder.gep(ps, [off]))
         builder.store(builder.extract_element(bi, ir.Constant(_I32, j)), builder.gep(pb, [off]))
@@ -254,6 +255,25 @@ def _nibbles16(builder, sb, lanes, shifts):
     nib = builder.and_(builder.lshr(v, ir.Constant(ir.VectorType(_I8, 16), shifts)),
                        ir.Constant(ir.VectorType(_I8, 16), [15] * 16))
     return builder.uitofp(nib, ir.VectorType(ir.FloatType(), 16))
+
+
+@intrinsic
+def q4_k_scales8(typingctx, src, o, d, dmin, scale, bias, at):
+    """The 8 sub-block scales and biases of the Q4_K block at src[o] (fp16 d and dmin given as floats) into a
+    code tile: scale[at + 16 j] = d * sc_j, bias[at + 16 j] = -(dmin * m_j), the 6-bit scales and mins unpacked
+    by simd._q4_k_scales_mins (_tile_scales16)."""
+    if not _tile_args(src, scale, bias):
+        return None
+
+    def codegen(context, builder, sig, args):
+        src_v, o_v, d_v, dmin_v, scale_v, bias_v, at_v = args
+        v8f = ir.VectorType(ir.FloatType(), 8)
+        sc, mn = _q4_k_scales_mins(context, builder, sig.args[0], src_v, o_v)
+        scales = builder.fmul(_splat_f(builder, d_v, 8), builder.uitofp(sc, v8f))
+        mins = builder.fmul(_splat_f(builder, dmin_v, 8), builder.uitofp(mn, v8f))
+        _tile_scales16(context, builder, sig.args[4], scale_v, sig.args[5], bias_v, at_v, scales, builder.fneg(mins))
+        return context.get_dummy_value()
+    return types.none(src, o, d, dmin, scale, bias, at), codegen
 
 
 @intrinsic
