@@ -11,7 +11,7 @@ Two measurements on the same warmed-up sequence:
    A kernel's time includes Numba's entry into it (typing its arguments: ~1 us a call, measured here with an
    empty kernel and reported as an estimate). An earlier version took kernel times from cProfile, which slows
    every Python call and made the outside share look 1.5x larger than it is.
-Writes bench/results/profile_<tag>.json and prints a markdown table.
+Writes bench/results/profile_<tag>.json (tag: the file name, with -int8 for --int8) and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def main() -> int:
               "kernels_ms": {k: 1e3 * v / a.tokens for k, v in kernel_s.most_common()},
               "kernel_calls": {k: kernel_calls[k] / a.tokens for k, _ in kernel_s.most_common()},
               "phases_ms": {k: 1e3 * float(np.median(v)) for k, v in phases.items()}}
-    tag = a.tag or Path(a.model).stem
+    tag = a.tag or Path(a.model).stem + ("-int8" if a.int8 else "")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"profile_{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"one decoded token: {result['wall_ms']:.1f} ms wall; timed run {result['timed_wall_ms']:.1f} ms: "
