@@ -1048,8 +1048,7 @@ def load_f16(typingctx, src, off):
         return None
 
     def codegen(context, builder, sig, args):
-        h = builder.load(_pointer(context, builder, sig.args[0], args[0], args[1], ir.HalfType()), align=1)
-        return builder.fpext(h, ir.FloatType())
+        return _half_at(context, builder, sig.args[0], args[0], args[1])
     return types.float32(src, off), codegen
 
 
