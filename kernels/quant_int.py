@@ -15,8 +15,8 @@ import numba
 import numpy as np
 
 from .ggml_blocks import f16, round_to_half
-from .simd import (HAS_AVX512BW, HAS_F16C, fdot_q2_k_blocks, fdot_q4_k_blocks, fdot_q6_k_blocks, fdot_q8_0_pairs,
-                   idot_q2_0_block, idot_q2_k_block, idot_q4_k_block, idot_q6_half, idot_s8_32)
+from .simd import (HAS_AVX512BW, HAS_F16C, fdot_q2_0_blocks, fdot_q2_k_blocks, fdot_q4_k_blocks, fdot_q6_k_blocks,
+                   fdot_q8_0_pairs, idot_q2_0_block, idot_q2_k_block, idot_q4_k_block, idot_q6_half, idot_s8_32)
 
 _FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 
@@ -165,6 +165,8 @@ def idot_q2_k(src, xq, xd, xs16):
 def idot_q2_0(src, xq, xd, xs16):
     """One Q2_0 row (per 64 values: fp16 d, 2-bit codes, value (code - 1) d) times Q8_0 activations (two
     activation blocks per weight block): d * (xd[2b] * isum_lo + xd[2b + 1] * isum_hi)."""
+    if HAS_AVX512BW and HAS_F16C:
+        return fdot_q2_0_blocks(src, xq, xd, xs16, xq.shape[0] // 64)
     acc = np.float32(0.0)
     for b in range(xq.shape[0] // 64):
         o = b * 18

@@ -531,6 +531,52 @@ def _negate_where(builder, v, mask):
     return builder.sub(builder.xor(v, mask), mask)
 
 
+def _q2_0_code_lanes(builder, spread, x64):
+    """sum code * x of a Q2_0 block as <16 x i32> (lanes 0-7: values 0-31, lanes 8-15: values 32-63), its 16
+    code bytes spread to four lanes each (AVX-512BW): each lane masked to one code in place (code * 4^s), so
+    vpmaddubsw multiplies, an exact shift takes the 4^s off and vpmaddwd adds."""
+    total = None
+    for s in range(4):
+        masked = builder.and_(spread, _vec_const(8, [(3 << 2 * s if s < 3 else -64) if j % 4 == s else 0
+                                                     for j in range(64)]))
+        part = builder.ashr(_pmaddubsw(builder, masked, x64), _vec_const(16, [2 * s] * 32))
+        total = part if total is None else builder.add(total, part)
+    return _pmaddwd(builder, total, _vec_const(16, [1] * 32))
+
+
+@intrinsic
+def fdot_q2_0_blocks(typingctx, src, x, xd, xs16, blocks):
+    """sum over the first `blocks` Q2_0 blocks of a row (18 bytes: fp16 d, 64 2-bit codes) of d * (xd[2b] *
+    sum (code - 1) x over values 0-31 + xd[2b + 1] * the same over 32-63), x int8 (two Q8_0 activation blocks
+    per weight block) with its 16-sums xs16: _q2_0_code_lanes less the -1 offsets (lanes 0 and 8) into float
+    lanes with d * xd (_float_lanes_row; AVX-512BW only)."""
+    if not (_byte_array(src) and _byte_array(x) and _float_array(xd) and _int32_array(xs16)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        src_ty, src_v, x_ty, x_v, xd_ty, xd_v, xs_ty, xs_v = (sig.args[0], args[0], sig.args[1], args[1],
+                                                              sig.args[2], args[2], sig.args[3], args[3])
+        f32 = ir.FloatType()
+
+        def terms(b):
+            o = builder.mul(b, ir.Constant(b.type, 18))
+            qs = _load(context, builder, src_ty, src_v, _at(builder, o, 2), 16)
+            spread = builder.shuffle_vector(qs, qs, _vec_const(32, [j // 4 for j in range(64)]))
+            x64 = _load(context, builder, x_ty, x_v, builder.mul(b, ir.Constant(b.type, 64)), 64)
+            lanes = _q2_0_code_lanes(builder, spread, x64)
+            xs = _load_vec(context, builder, xs_ty, xs_v, builder.mul(b, ir.Constant(b.type, 4)), _I32, 4)
+            # offsets: lane 0 takes the first half's sum of x (xs16 0 + 1), lane 8 the second's (2 + 3)
+            pairs = builder.add(_shuffle(builder, xs, [0, 2]), _shuffle(builder, xs, [1, 3]))
+            offsets = builder.shuffle_vector(pairs, ir.Constant(pairs.type, [0, 0]),
+                                             _vec_const(32, [0] + [2] * 7 + [1] + [2] * 7))
+            d = _half_at(context, builder, src_ty, src_v, o)
+            xd2 = _load_vec(context, builder, xd_ty, xd_v, builder.mul(b, ir.Constant(b.type, 2)), f32, 2)
+            scale = _shuffle(builder, builder.fmul(_splat_f(builder, d, 2), xd2), [h // 8 for h in range(16)])
+            return [(builder.sub(lanes, offsets), scale)]
+        return _float_lanes_row(context, builder, args[4], terms)
+    return types.float32(src, x, xd, xs16, blocks), codegen
+
+
 @intrinsic
 def idot_q2_0_block(typingctx, src, o, x, xo, xs16, g):
     """The two 32-value halves of one Q2_0 block (18 bytes at src[o]: fp16 d, then 2-bit codes, weight j at
@@ -549,13 +595,7 @@ def idot_q2_0_block(typingctx, src, o, x, xo, xs16, g):
         spread = builder.shuffle_vector(qs, qs, _vec_const(32, [j // 4 for j in range(64)]))
         x64 = _load(context, builder, x_ty, x_v, xo_v, 64)
         if HAS_AVX512BW:
-            total = None
-            for s in range(4):
-                masked = builder.and_(spread, _vec_const(8, [(3 << 2 * s if s < 3 else -64) if j % 4 == s else 0
-                                                             for j in range(64)]))
-                part = builder.ashr(_pmaddubsw(builder, masked, x64), _vec_const(16, [2 * s] * 32))
-                total = part if total is None else builder.add(total, part)
-            lanes = _pmaddwd(builder, total, _vec_const(16, [1] * 32))
+            lanes = _q2_0_code_lanes(builder, spread, x64)
             halves = [_shuffle(builder, lanes, list(range(8 * h, 8 * h + 8))) for h in range(2)]
             sums = [_reduce_add(builder, v, 8) for v in halves]
         else:

@@ -203,16 +203,41 @@ def test_fdot_k_blocks(rng, name, sums, size, at):
         assert abs(got - sum(terms[:blocks])) <= 1e-6 * bound, blocks
 
 
+def _q2_0_halves(src, o, x, xo):
+    """(sum (code - 1) x over values 0-31, the same over 32-63) of the Q2_0 block at src[o] with x[xo:]: weight
+    j's 2-bit code at bits 2 (j % 4) of byte j // 4 after the fp16 d, value code - 1."""
+    codes = np.array([(int(src[o + 2 + j // 4]) >> (2 * (j % 4))) & 3 for j in range(64)], np.int64)
+    xv = x[xo:xo + 64].astype(np.int64)
+    return tuple(int((codes[32 * h:32 * h + 32] - 1) @ xv[32 * h:32 * h + 32]) for h in range(2))
+
+
 def test_idot_q2_0_block(rng, avx512bw):
-    """A Q2_0 block: weight j's 2-bit code at bits 2 (j % 4) of byte j // 4, value code - 1, two 32-halves."""
+    """A Q2_0 block's two 32-value halves, the -1 taken off against the activations' 16-sums."""
     src, x = _bytes(rng, 100), np.maximum(_bytes(rng, 300).view(np.int8), -127)
     for o, xo in [(0, 0), (41, 77)]:
-        codes = np.array([(int(src[o + 2 + j // 4]) >> (2 * (j % 4))) & 3 for j in range(64)], np.int64)
-        xv = x[xo:xo + 64].astype(np.int64)
-        want = tuple(int((codes[32 * h:32 * h + 32] - 1) @ xv[32 * h:32 * h + 32]) for h in range(2))
         xs16 = np.zeros(10, np.int32)
-        xs16[3:7] = xv.reshape(4, 16).sum(axis=1)
-        assert _compiled("idot_q2_0_block")(src, o, x, xo, xs16, 3) == want
+        xs16[3:7] = x[xo:xo + 64].astype(np.int64).reshape(4, 16).sum(axis=1)
+        assert _compiled("idot_q2_0_block")(src, o, x, xo, xs16, 3) == _q2_0_halves(src, o, x, xo)
+
+
+@pytest.mark.skipif(not simd.HAS_AVX512BW, reason="this CPU has no AVX-512BW")
+def test_fdot_q2_0_blocks(rng):
+    """Whole Q2_0 rows (three blocks; and the first alone): sum_b d_b (xd[2b] lo_b + xd[2b + 1] hi_b)."""
+    nb = 3
+    src, x = _bytes(rng, 18 * nb), np.maximum(_bytes(rng, 64 * nb).view(np.int8), -127)
+    for b in range(nb):
+        src[18 * b:18 * b + 2] = _random_halves(rng, 1)
+    xd = rng.uniform(0.01, 1.0, 2 * nb).astype(np.float32)
+    xs16 = x.astype(np.int64).reshape(-1, 16).sum(axis=1).astype(np.int32)
+    d = src.reshape(nb, 18)[:, :2].copy().view(np.float16).astype(np.float64).reshape(-1)
+    terms = []
+    for b in range(nb):
+        lo, hi = _q2_0_halves(src, 18 * b, x, 64 * b)
+        terms.append(d[b] * (float(xd[2 * b]) * lo + float(xd[2 * b + 1]) * hi))
+    bound = float(np.abs(d).sum()) * 2 * 64 * 127
+    for blocks in (nb, 1):
+        got = _compiled("fdot_q2_0_blocks")(src, x, xd, xs16, blocks)
+        assert abs(got - sum(terms[:blocks])) <= 1e-6 * bound, blocks
 
 
 def _iq2_xs_want(src, o, x, xo):
