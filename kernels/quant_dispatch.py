@@ -222,7 +222,7 @@ def matmul_rows(t, w, x, out):
                 out[j, r] = _dot(buf, x[j])
 
 
-# Types with an integer dot product against ggml-quantized activations (int_dot's branches).
+# Types with an integer dot product against ggml-quantized activations (int_dots' branches).
 INT_DOT_TYPES = frozenset({Q8_0, Q4_K, Q6_K, IQ2_XS, Q2_K, Q2_0})
 
 
