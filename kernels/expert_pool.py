@@ -23,7 +23,7 @@ from .activations import swiglu_block
 from .grouped_codes import down_codes, gate_up_codes
 from .int_matmul import TokenCodes, quantize_tokens, use_codes
 from .quant import _check_weights, _format, activation_block, quantize_activations
-from .quant_dispatch import _FASTMATH, dequant_row, float_dots, has_int_dot, int_dots
+from .quant_dispatch import _FASTMATH, dequant_row, float_dots, has_fused_dot, has_int_dot, int_dots
 from .quant_dot import block_sums32
 from .quant_int import quantize_q8_sums
 from .small_matmul import matmul_nt_regs
@@ -76,10 +76,11 @@ def _swiglu_experts(tg, gate, tu, up, td, down, x, ids, weights, out):
     h = np.empty((k, ffn), np.float32)
     per_expert = (ffn + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
     u = np.empty((k * per_expert, _ROWS_PER_TASK), np.float32)  # each task's up products
+    fused = has_fused_dot(tg) and has_fused_dot(tu)
     for task in numba.prange(k * per_expert):
         j, r0, r1 = _task_rows(task, per_expert, ffn)
         e = ids[j]
-        scratch = np.empty(x.shape[0], np.float32)
+        scratch = xsum32 if fused else np.empty(x.shape[0], np.float32)  # a row to decode into where not fused
         float_dots(tg, gate[e], r0, r1, x, xsum32, scratch, h[j], r0)
         float_dots(tu, up[e], r0, r1, x, xsum32, scratch, u[task], 0)
         for r in range(r0, r1):
@@ -91,10 +92,11 @@ def _swiglu_experts(tg, gate, tu, up, td, down, x, ids, weights, out):
             block_sums32(h[j], hsum32[j])
     per_expert = (hidden + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
     y = np.empty((k, hidden), np.float32)
+    fused = has_fused_dot(td)
     for task in numba.prange(k * per_expert):
         j, r0, r1 = _task_rows(task, per_expert, hidden)
         e = ids[j]
-        scratch = np.empty(ffn, np.float32)
+        scratch = hsum32[j] if fused else np.empty(ffn, np.float32)
         float_dots(td, down[e], r0, r1, h[j], hsum32[j], scratch, y[j], r0)
     _add_experts(y, out)
 

@@ -23,8 +23,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import (HAS_VNNI, _array_1d, _byte_array, _dpbusd, _iq2_xs_block, _load, _q4_k_scales_mins, _splat, _splat_f,
-                   _store)
+from .simd import (HAS_VNNI, _array_1d, _byte_array, _data, _dpbusd, _iq2_xs_block, _load, _q4_k_scales_mins,
+                   _splat, _splat_f, _store)
 
 
 ROWS = 16  # rows per tile: one 512-bit vector of int32 lanes
@@ -35,10 +35,6 @@ _I64 = ir.IntType(64)
 _V16I = ir.VectorType(_I32, 16)
 _V16F = ir.VectorType(ir.FloatType(), 16)
 _FL = ("reassoc", "nsz", "contract")
-
-
-def _data(context, builder, ty, ary):
-    return context.make_array(ty)(context, builder, ary).data
 
 
 def _i64(builder, v):
@@ -237,7 +233,7 @@ def iq2_xs_codes256(typingctx, grid, src, o, dst, y):
     return types.none(grid, src, o, dst, y), codegen
 
 
-def _tile_scales16(context, builder, scale_ty, scale_v, bias_ty, bias_v, at_v, sc, bi):
+def _tile_scales(context, builder, scale_ty, scale_v, bias_ty, bias_v, at_v, sc, bi):
     """Store the <n x float> scales sc and biases bi of n consecutive sub-blocks of one tile row at the tile's
     stride: scale[at + 16 j] = sc[j], bias[at + 16 j] = bi[j] for j < n."""
     ps = _data(context, builder, scale_ty, scale_v)
@@ -261,7 +257,7 @@ def _nibbles16(builder, sb, lanes, shifts):
 def q4_k_scales8(typingctx, src, o, d, dmin, scale, bias, at):
     """The 8 sub-block scales and biases of the Q4_K block at src[o] (fp16 d and dmin given as floats) into a
     code tile: scale[at + 16 j] = d * sc_j, bias[at + 16 j] = -(dmin * m_j), the 6-bit scales and mins unpacked
-    by simd._q4_k_scales_mins (_tile_scales16)."""
+    by simd._q4_k_scales_mins (_tile_scales)."""
     if not _tile_args(src, scale, bias):
         return None
 
@@ -271,7 +267,7 @@ def q4_k_scales8(typingctx, src, o, d, dmin, scale, bias, at):
         sc, mn = _q4_k_scales_mins(context, builder, sig.args[0], src_v, o_v)
         scales = builder.fmul(_splat_f(builder, d_v, 8), builder.uitofp(sc, v8f))
         mins = builder.fmul(_splat_f(builder, dmin_v, 8), builder.uitofp(mn, v8f))
-        _tile_scales16(context, builder, sig.args[4], scale_v, sig.args[5], bias_v, at_v, scales, builder.fneg(mins))
+        _tile_scales(context, builder, sig.args[4], scale_v, sig.args[5], bias_v, at_v, scales, builder.fneg(mins))
         return context.get_dummy_value()
     return types.none(src, o, d, dmin, scale, bias, at), codegen
 
@@ -280,7 +276,7 @@ def q4_k_scales8(typingctx, src, o, d, dmin, scale, bias, at):
 def q2_k_scales16(typingctx, src, o, d, dmin, scale, bias, at):
     """The 16 sub-block scales and biases of the Q2_K block at src[o] (fp16 d and dmin given as floats) into a
     code tile: scale[at + 16 j] = d * (byte j & 15), bias[at + 16 j] = -(dmin * (byte j >> 4)); one vector,
-    stored at the tile's stride (_tile_scales16). Scalar stores through Numba's indexing had cost ~40% of the
+    stored at the tile's stride (_tile_scales). Scalar stores through Numba's indexing had cost ~40% of the
     tile decode."""
     if not _tile_args(src, scale, bias):
         return None
@@ -290,20 +286,20 @@ def q2_k_scales16(typingctx, src, o, d, dmin, scale, bias, at):
         sb = _load(context, builder, sig.args[0], src_v, o_v, 16)
         sc = builder.fmul(_splat_f(builder, d_v, 16), _nibbles16(builder, sb, list(range(16)), [0] * 16))
         mn = builder.fmul(_splat_f(builder, dmin_v, 16), _nibbles16(builder, sb, list(range(16)), [4] * 16))
-        _tile_scales16(context, builder, sig.args[4], scale_v, sig.args[5], bias_v, at_v, sc, builder.fneg(mn))
+        _tile_scales(context, builder, sig.args[4], scale_v, sig.args[5], bias_v, at_v, sc, builder.fneg(mn))
         return context.get_dummy_value()
     return types.none(src, o, d, dmin, scale, bias, at), codegen
 
 
 def _d_scales_codegen(at_byte, n_bytes, levels, post, offset):
     """The codegen of a block's 16 scales d * levels(bytes) * post into a code tile, biases offset times them
-    (_tile_scales16): levels maps the <n_bytes x i8> at src[o + at_byte] to <16 x float>."""
+    (_tile_scales): levels maps the <n_bytes x i8> at src[o + at_byte] to <16 x float>."""
     def codegen(context, builder, sig, args):
         src_v, o_v, d_v, scale_v, bias_v, at_v = args
         v16f = ir.VectorType(ir.FloatType(), 16)
         sb = _load(context, builder, sig.args[0], src_v, builder.add(o_v, ir.Constant(o_v.type, at_byte)), n_bytes)
         sc = builder.fmul(builder.fmul(_splat_f(builder, d_v, 16), levels(builder, sb)), ir.Constant(v16f, [post] * 16))
-        _tile_scales16(context, builder, sig.args[3], scale_v, sig.args[4], bias_v, at_v, sc,
+        _tile_scales(context, builder, sig.args[3], scale_v, sig.args[4], bias_v, at_v, sc,
                        builder.fmul(sc, ir.Constant(v16f, [offset] * 16)))
         return context.get_dummy_value()
     return codegen
@@ -316,7 +312,7 @@ def _tile_args(src, scale, bias) -> bool:
 @intrinsic
 def q6_k_scales16(typingctx, src, o, d, scale, bias, at):
     """The 16 sub-block scales of the Q6_K block at src[o] (its fp16 d given as a float) into a code tile:
-    scale[at + 16 j] = d * int8 scale j, bias[at + 16 j] = -32 times it (_tile_scales16)."""
+    scale[at + 16 j] = d * int8 scale j, bias[at + 16 j] = -32 times it (_tile_scales)."""
     if not _tile_args(src, scale, bias):
         return None
     return types.none(src, o, d, scale, bias, at), _d_scales_codegen(
@@ -327,7 +323,7 @@ def q6_k_scales16(typingctx, src, o, d, scale, bias, at):
 def iq2_xs_scales16(typingctx, src, o, d, scale, bias, at):
     """The 16 sub-block scales of the IQ2_XS block at src[o] (its fp16 d given as a float) into a code tile:
     scale[at + 16 j] = d * (0.5 + s_j) * 0.25 (ggml's order), bias[at + 16 j] = -43 times it, s_j the 4-bit
-    scale of values 16 j .. 16 j + 15 (_tile_scales16)."""
+    scale of values 16 j .. 16 j + 15 (_tile_scales)."""
     if not _tile_args(src, scale, bias):
         return None
 
