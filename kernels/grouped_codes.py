@@ -15,20 +15,14 @@ import numpy as np
 from .activations import swiglu_block
 from .code_tiles import decode_tile, sub_block
 from .int_matmul import TokenCodes, tile_buffers, tile_times_tokens
-from .simd import prefetch
 from .simd_gemm import ROWS
 
 
 @numba.njit(inline="always", nogil=True)
-def _prefetch_task(w, group_experts, per_group, task):
-    """Ask for the 16 rows of w that task (group task // per_group, rows from 16 (task % per_group)) decodes.
-    Called for a thread's next task (within its run of consecutive tasks), so the rows come from RAM while the
-    current task computes: one thread, 512 Q8_0 experts of ~10 tokens, gate/up 347 -> 266 ms (4.3 GB/s), down
-    174 -> 127 ms; asking 2 or 4 tasks ahead was no better, and on 2 threads (8-9 GB/s) it changes little."""
-    if task < group_experts.shape[0] * per_group:
-        e, r = group_experts[task // per_group], (task % per_group) * ROWS
-        for i in range(r, min(r + ROWS, w.shape[1])):
-            prefetch(w[e, i], 0, w.shape[2])
+def _task_rows(group_experts, per_group, n_tasks, task):
+    """(expert, first row) of task (the last task's for a task past the end): the rows a decode asks for next."""
+    task = min(task, n_tasks - 1)
+    return group_experts[task // per_group], (task % per_group) * ROWS
 
 
 # Tasks per run of consecutive tasks that one prange iteration takes: its buffers are allocated once per run
@@ -62,10 +56,9 @@ def _gate_up_codes(tg, gate, tu, up, xq, xd, xs, group_experts, group_starts, h)
         for task in range(run * per_run, min(n_tasks, (run + 1) * per_run)):
             g, r0 = task // per_group, (task % per_group) * ROWS
             e, p0, p1 = group_experts[g], group_starts[g], group_starts[g + 1]
-            _prefetch_task(gate, group_experts, per_group, task + 1)
-            _prefetch_task(up, group_experts, per_group, task + 1)
-            decode_tile(tg, gate[e], r0, gw, gs, gb, stage)
-            decode_tile(tu, up[e], r0, uw, us, ub, stage)
+            ne, n0 = _task_rows(group_experts, per_group, n_tasks, task + 1)
+            decode_tile(tg, gate[e], r0, gw, gs, gb, stage, up[e], r0)
+            decode_tile(tu, up[e], r0, uw, us, ub, stage, gate[ne], n0)
             tile_times_tokens(sbg, gw, gs, gb, xq, xd, xs, p0, p1, gv, 0, buf, -p0)
             tile_times_tokens(sbu, uw, us, ub, xq, xd, xs, p0, p1, uv, 0, buf, -p0)
             swiglu_block(gv, uv, h, p0, r0, p1 - p0, min(ROWS, ffn - r0))
@@ -85,8 +78,8 @@ def _down_codes(td, down, hq, hd, hs, group_experts, group_starts, y):
         for task in range(run * per_run, min(n_tasks, (run + 1) * per_run)):
             g, r0 = task // per_group, (task % per_group) * ROWS
             e, p0, p1 = group_experts[g], group_starts[g], group_starts[g + 1]
-            _prefetch_task(down, group_experts, per_group, task + 1)
-            decode_tile(td, down[e], r0, words, scale, bias, stage)
+            ne, n0 = _task_rows(group_experts, per_group, n_tasks, task + 1)
+            decode_tile(td, down[e], r0, words, scale, bias, stage, down[ne], n0)
             tile_times_tokens(sb, words, scale, bias, hq, hd, hs, p0, p1, y, r0, buf, 0)
 
 

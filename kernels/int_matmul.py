@@ -141,7 +141,7 @@ def _matmul_codes(t, w, xq, xd, xs, out):
     sb = sub_block(t)
     for tile in numba.prange((w.shape[0] + ROWS - 1) // ROWS):
         words, scale, bias, stage = tile_buffers(t, xq.shape[1])
-        decode_tile(t, w, ROWS * tile, words, scale, bias, stage)
+        decode_tile(t, w, ROWS * tile, words, scale, bias, stage, w, ROWS * (tile + 1))
         buf = np.empty(8 * ROWS, np.float32)
         tile_times_tokens(sb, words, scale, bias, xq, xd, xs, 0, xq.shape[0], out, ROWS * tile, buf, 0)
 

@@ -71,7 +71,7 @@ def test_code_tiles_hold_the_exact_weights(rng, t):
         words = np.empty(k * ROWS, np.uint8)
         scale = np.empty(k // sb * ROWS, np.float32)
         bias = np.empty(k // sb * ROWS, np.float32)
-        decode_tile(t, w, r0, words, scale, bias, np.empty(ROWS * chunk_values(k), np.uint8))
+        decode_tile(t, w, r0, words, scale, bias, np.empty(ROWS * chunk_values(k), np.uint8), w, r0 + ROWS)
         codes = words.reshape(k // 4, ROWS, 4).transpose(1, 0, 2).reshape(ROWS, k).astype(np.float64)
         s = np.repeat(scale.reshape(k // sb, ROWS).T, sb, axis=1).astype(np.float64)
         b = np.repeat(bias.reshape(k // sb, ROWS).T, sb, axis=1).astype(np.float64)
