@@ -156,6 +156,51 @@ def interleave16(typingctx, stage, n, tile, w0):
 
 
 @intrinsic
+def q8_0_tile64(typingctx, src, o, stride, tile, w0, scale, bias, s0):
+    """64 values (two Q8_0 blocks) of 16 rows straight into the tile: row i's blocks at src[o + i stride] (34
+    bytes each), their codes q + 128 to tile words w0 .. w0 + 255 (interleaved as interleave16 does), the blocks'
+    scales d and biases -128 d to scale and bias [s0 + 16 j + i] for block j < 2. Without the staging chunk of
+    the generic decode: each row's 64 codes are one vector, flipped and transposed in registers."""
+    if not (_byte_array(src) and _array_1d(tile, types.uint8) and _array_1d(scale, types.float32)
+            and _array_1d(bias, types.float32)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        src_v, o_v, stride_v, tile_v, w0_v, scale_v, bias_v, s0_v = args
+        ps = _data(context, builder, sig.args[0], src_v)
+        pt = _data(context, builder, sig.args[3], tile_v)
+        o_v, stride_v, w0_v, s0_v = (_i64(builder, v) for v in (o_v, stride_v, w0_v, s0_v))
+        v32 = ir.VectorType(_I8, 32)
+        v16h = ir.VectorType(ir.IntType(16), 16)
+        flip = ir.Constant(ir.VectorType(_I8, 64), [0x80] * 64)
+        both = ir.Constant(ir.VectorType(_I32, 64), list(range(64)))
+        rows, ds = [], [ir.Constant(v16h, ir.Undefined)] * 2
+        for i in range(16):
+            ro = builder.add(o_v, builder.mul(stride_v, ir.Constant(_I64, i)))
+            halves = []
+            for j in range(2):
+                bo = builder.add(ro, ir.Constant(_I64, 34 * j))
+                h = builder.load(builder.bitcast(builder.gep(ps, [bo]), ir.IntType(16).as_pointer()), align=1)
+                ds[j] = builder.insert_element(ds[j], h, ir.Constant(_I32, i))
+                qp = builder.gep(ps, [builder.add(bo, ir.Constant(_I64, 2))])
+                halves.append(builder.load(builder.bitcast(qp, v32.as_pointer()), align=1))
+            row = builder.xor(builder.shuffle_vector(halves[0], halves[1], both), flip)
+            rows.append(builder.bitcast(row, _V16I))
+        cols = _transpose16(builder, rows)
+        base = builder.mul(w0_v, ir.Constant(_I64, 4))
+        for c in range(16):
+            p = builder.gep(pt, [builder.add(base, ir.Constant(_I64, 64 * c))])
+            builder.store(cols[c], builder.bitcast(p, _V16I.as_pointer()), align=1)
+        for j in range(2):
+            d = builder.fpext(builder.bitcast(ds[j], ir.VectorType(ir.HalfType(), 16)), _V16F)
+            so = builder.add(s0_v, ir.Constant(_I64, 16 * j))
+            _store(context, builder, sig.args[5], scale_v, so, d)
+            _store(context, builder, sig.args[6], bias_v, so, builder.fmul(d, ir.Constant(_V16F, [-128.0] * 16)))
+        return context.get_dummy_value()
+    return types.none(src, o, stride, tile, w0, scale, bias, s0), codegen
+
+
+@intrinsic
 def unpack_codes32(typingctx, src, o, shift, mask, flip, dst, y):
     """dst[y + l] = ((src[o + l] >> shift) & mask) ^ flip for l < 32 (bit fields of 32 packed bytes as codes)."""
     if not _byte_array(src) and _byte_array(dst):
