@@ -18,7 +18,7 @@ from .quant_legacy import (Q2_0, Q4_0, Q4_1, Q5_0, Q5_1, dequant_q2_0, dequant_q
                            dequant_q5_1, dot_q2_0)
 from .quant_dot import block_sums32, dot_q4_k, dot_q6_k, dot_q8_0
 from .quant_int import idot_q2_0, idot_q2_k, idot_q4_k, idot_q6_k, idot_q8_0
-from .simd import fdot_f32_64, prefetch
+from .simd import fdot_f32_64, prefetch_l2
 from .quant_nl import IQ4_NL, IQ4_XS, MXFP4, dequant_iq4_nl, dequant_iq4_xs, dequant_mxfp4
 from .quant_q8 import Q8_0, dequant_q8_0
 
@@ -98,20 +98,22 @@ def dequant_rows_serial(t, w, out):
         dequant_row(t, w[r], out[r])
 
 
-# Rows ahead whose cache lines a matrix-vector loop requests before it dots the current row. The hardware
-# prefetchers stop at every 4 KiB page (the file is mapped in 4 KiB pages), so a stream of rows from RAM
-# stalls at each page start: asking for the row 4 ahead took decode's output head (Q6_K, 255 MB) from
-# ~9.7 to 12-13 GB/s on 2 threads, about what this machine reads at best (bench/README.md).
-PREFETCH_ROWS = 4
+# Bytes ahead whose rows a matrix-vector loop requests before it dots the current row. The hardware prefetchers
+# stop at every 4 KiB page (the file is mapped in 4 KiB pages), so a stream of rows from RAM stalls at each page
+# start. Requests into L2 (simd.prefetch_l2), about one 16-row task ahead: the output head (Q6_K, 255 MB) on 2
+# threads in 7.2-8.9 ms, against 8.7-11.9 ms asking into L1 for the row 4 ahead (alternating runs on an AMD EPYC;
+# on the earlier Xeon that had taken it from 9.7 to 12-13 GB/s, about what that machine read at best).
+PREFETCH_BYTES = 32768
 # Rows per parallel task of a matrix-vector product (float_dots / int_dots take a task's rows in one call).
 ROW_TASK = 16
 
 
 @numba.njit(inline="always", nogil=True)
 def prefetch_row(w, r):
-    """Request row r + PREFETCH_ROWS of w (uint8 [rows, row bytes]) into the cache, if there is one."""
-    if r + PREFETCH_ROWS < w.shape[0]:
-        prefetch(w[r + PREFETCH_ROWS], 0, w.shape[1])
+    """Request the row PREFETCH_BYTES past row r of w (uint8 [rows, row bytes]) into L2, if there is one."""
+    ahead = r + max(1, PREFETCH_BYTES // w.shape[1])
+    if ahead < w.shape[0]:
+        prefetch_l2(w[ahead], 0, w.shape[1])
 
 
 @numba.njit(nogil=True, inline="always", fastmath=_FASTMATH)
@@ -153,7 +155,7 @@ def _decoded_rows(t, w, r0, r1, x, scratch, out, o0):
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def float_dots(t, w, r0, r1, x, xsum32, scratch, out, o0):
-    """out[o0 + r - r0] = row r of w times float32 x for r0 <= r < r1, each row's lines requested PREFETCH_ROWS
+    """out[o0 + r - r0] = row r of w times float32 x for r0 <= r < r1, each row's lines requested PREFETCH_BYTES
     ahead: fused block dots where the type has them (xsum32: x's per-32 sums, from block_sums32), else each row
     decoded into scratch (float32, a row long) and dotted. The type's branch is taken once a call, not once a
     row: with it inside the row loop (every type's dot inlined in one loop body) the integer dots ran 25-30%
@@ -241,7 +243,7 @@ def _int_rows(dot, w, r0, r1, xq, xd, xs16, out, o0):
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def int_dots(t, w, r0, r1, xq, xd, xs16, out, o0):
     """out[o0 + r - r0] = row r of w (a has_int_dot type) times quantized activations (xq codes, xd block scales,
-    xs16 the codes' 16-sums) for r0 <= r < r1, each row's lines requested PREFETCH_ROWS ahead; the type's branch
+    xs16 the codes' 16-sums) for r0 <= r < r1, each row's lines requested PREFETCH_BYTES ahead; the type's branch
     taken once a call (see float_dots)."""
     if t == Q4_K:
         _int_rows(idot_q4_k, w, r0, r1, xq, xd, xs16, out, o0)
