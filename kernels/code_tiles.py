@@ -36,22 +36,6 @@ SUB_BLOCK = {Q8_0: 32, Q4_K: 32, Q2_0: 32, Q6_K: 16, Q2_K: 16, IQ2_XS: 16}
 
 
 @numba.njit(nogil=True, cache=True, fastmath=False)
-def code_offset(t):
-    """The code offset of type t's tiles where their bias is it times the scale (value = scale * (code - offset)),
-    else 0 (Q4_K's and Q2_K's biases come from their own mins). The products of such a tile start each
-    sub-block's integer sum at -offset times the activations' code sum (simd_gemm.codes_block, folded)."""
-    if t == Q8_0:
-        return 128
-    if t == Q6_K:
-        return 32
-    if t == IQ2_XS:
-        return 43
-    if t == Q2_0:
-        return 1
-    return 0
-
-
-@numba.njit(nogil=True, cache=True, fastmath=False)
 def sub_block(t):
     """Values per scale of type t's code tiles (0: no code tile)."""
     if t == Q8_0 or t == Q4_K or t == Q2_0:

@@ -21,7 +21,7 @@ import numpy as np
 
 from .activations import swiglu_block
 from .grouped_codes import down_codes, gate_up_codes
-from .int_matmul import quantize_tokens, use_codes
+from .int_matmul import TokenCodes, quantize_tokens, use_codes
 from .quant import _check_weights, _format, activation_block, quantize_activations
 from .quant_dispatch import _FASTMATH, dequant_row, float_dots, has_fused_dot, has_int_dot, int_dots
 from .quant_dot import block_sums32
@@ -225,7 +225,8 @@ def swiglu_experts_grouped(gate: np.ndarray, gate_type: int, up: np.ndarray, up_
     x = np.ascontiguousarray(x, np.float32)
     if quantized_activations and gate_type == up_type and use_codes(gate_type, hidden) and use_codes(down_type, ffn):
         xt = quantize_tokens(x, gate_type, activation_block(gate_type))
-        h = gate_up_codes(gate, gate_type, up, up_type, xt.take(pair_tokens), group_experts, group_starts)
+        xp = TokenCodes(xt.q[pair_tokens], xt.d[pair_tokens], xt.s[pair_tokens])
+        h = gate_up_codes(gate, gate_type, up, up_type, xp, group_experts, group_starts)
         return down_codes(down, down_type, quantize_tokens(h, down_type, activation_block(down_type)), group_experts,
                           group_starts)
     h = np.empty((pair_tokens.shape[0], ffn), np.float32)

@@ -13,7 +13,7 @@ import numba
 import numpy as np
 
 from .activations import swiglu_block
-from .code_tiles import code_offset, decode_tile, sub_block
+from .code_tiles import decode_tile, sub_block
 from .int_matmul import TokenCodes, tile_buffers, tile_times_tokens
 from .simd_gemm import ROWS
 
@@ -38,12 +38,12 @@ def _runs(n_tasks):
 
 
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=False)
-def _gate_up_codes(tg, gate, tu, up, xq, xd, xs, xi, group_experts, group_starts, h):
+def _gate_up_codes(tg, gate, tu, up, xq, xd, xs, group_experts, group_starts, h):
     """h[p, r] = silu(gate_e . x_p) * (up_e . x_p) for the pairs p of every group (expert e = group_experts[g],
     pairs group_starts[g] .. group_starts[g + 1]); x_p: row p of the pairs' codes (xq, xd, xs)."""
     ffn, hidden = gate.shape[1], xq.shape[1]
     per_group = (ffn + ROWS - 1) // ROWS
-    sbg, sbu, fg, fu = sub_block(tg), sub_block(tu), code_offset(tg), code_offset(tu)
+    sbg, sbu = sub_block(tg), sub_block(tu)
     n_tasks = group_experts.shape[0] * per_group
     n_runs, per_run = _runs(n_tasks)
     most = max(1, np.max(group_starts[1:] - group_starts[:-1])) if group_experts.shape[0] else 1
@@ -59,17 +59,17 @@ def _gate_up_codes(tg, gate, tu, up, xq, xd, xs, xi, group_experts, group_starts
             ne, n0 = _task_rows(group_experts, per_group, n_tasks, task + 1)
             decode_tile(tg, gate[e], r0, gw, gs, gb, stage, up[e], r0)
             decode_tile(tu, up[e], r0, uw, us, ub, stage, gate[ne], n0)
-            tile_times_tokens(sbg, fg, gw, gs, gb, xq, xd, xs, xi, p0, p1, gv, 0, buf, -p0)
-            tile_times_tokens(sbu, fu, uw, us, ub, xq, xd, xs, xi, p0, p1, uv, 0, buf, -p0)
+            tile_times_tokens(sbg, gw, gs, gb, xq, xd, xs, p0, p1, gv, 0, buf, -p0)
+            tile_times_tokens(sbu, uw, us, ub, xq, xd, xs, p0, p1, uv, 0, buf, -p0)
             swiglu_block(gv, uv, h, p0, r0, p1 - p0, min(ROWS, ffn - r0))
 
 
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=False)
-def _down_codes(td, down, hq, hd, hs, hi, group_experts, group_starts, y):
+def _down_codes(td, down, hq, hd, hs, group_experts, group_starts, y):
     """y[p, r] = down_e . h_p for the pairs of every group (h_p: row p of the codes (hq, hd, hs))."""
     hidden, ffn = down.shape[1], hq.shape[1]
     per_group = (hidden + ROWS - 1) // ROWS
-    sb, folded = sub_block(td), code_offset(td)
+    sb = sub_block(td)
     n_tasks = group_experts.shape[0] * per_group
     n_runs, per_run = _runs(n_tasks)
     for run in numba.prange(n_runs):
@@ -80,14 +80,14 @@ def _down_codes(td, down, hq, hd, hs, hi, group_experts, group_starts, y):
             e, p0, p1 = group_experts[g], group_starts[g], group_starts[g + 1]
             ne, n0 = _task_rows(group_experts, per_group, n_tasks, task + 1)
             decode_tile(td, down[e], r0, words, scale, bias, stage, down[ne], n0)
-            tile_times_tokens(sb, folded, words, scale, bias, hq, hd, hs, hi, p0, p1, y, r0, buf, 0)
+            tile_times_tokens(sb, words, scale, bias, hq, hd, hs, p0, p1, y, r0, buf, 0)
 
 
 def gate_up_codes(gate: np.ndarray, gate_type: int, up: np.ndarray, up_type: int, x: TokenCodes,
                   group_experts: np.ndarray, group_starts: np.ndarray) -> np.ndarray:
     """The SwiGLU outputs h [pairs, ffn] of every group's pairs (x: the pairs' codes, in pair order)."""
     h = np.empty((x.q.shape[0], gate.shape[1]), np.float32)
-    _gate_up_codes(int(gate_type), gate, int(up_type), up, x.q, x.d, x.s, x.i, group_experts, group_starts, h)
+    _gate_up_codes(int(gate_type), gate, int(up_type), up, x.q, x.d, x.s, group_experts, group_starts, h)
     return h
 
 
@@ -95,5 +95,5 @@ def down_codes(down: np.ndarray, down_type: int, h: TokenCodes, group_experts: n
                group_starts: np.ndarray) -> np.ndarray:
     """y [pairs, hidden] = each pair's expert's down rows times its SwiGLU output h (codes)."""
     y = np.empty((h.q.shape[0], down.shape[1]), np.float32)
-    _down_codes(int(down_type), down, h.q, h.d, h.s, h.i, group_experts, group_starts, y)
+    _down_codes(int(down_type), down, h.q, h.d, h.s, group_experts, group_starts, y)
     return y

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
-from .code_tiles import SUB_BLOCK, chunk_values, code_offset, decode_tile, sub_block
+from .code_tiles import SUB_BLOCK, chunk_values, decode_tile, sub_block
 from .quant_int import quantize_q8_sums
 from .simd_gemm import (HAS_VNNI, ROWS, codes_1x16, codes_1x32, codes_2x16, codes_2x32, codes_3x16, codes_3x32,
                         codes_4x16, codes_4x32, codes_5x16, codes_5x32, codes_6x16, codes_6x32, codes_7x16, codes_7x32,
@@ -34,21 +34,14 @@ def use_codes(t: int, k: int) -> bool:
 
 class TokenCodes(NamedTuple):
     """Tokens' activations rounded for one weight type: q int8 [n, k]; d and s float32 [n, k / sub-block]: the
-    activation scale of each sub-block and that scale times the sub-block's code sum; i int32 [n, k / sub-block]:
-    -code_offset(type) times the code sum (zeros where the type's bias is not an offset of its codes), the value
-    each sub-block's integer sum starts from."""
+    activation scale of each sub-block and that scale times the sub-block's code sum."""
     q: np.ndarray
     d: np.ndarray
     s: np.ndarray
-    i: np.ndarray
-
-    def take(self, rows: np.ndarray) -> "TokenCodes":
-        """The codes of tokens `rows`, in that order."""
-        return TokenCodes(self.q[rows], self.d[rows], self.s[rows], self.i[rows])
 
 
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=False)
-def _quantize_tokens(x, act_block, sb, offset, xq, xd_sb, xs_sb, xi_sb):
+def _quantize_tokens(x, act_block, sb, xq, xd_sb, xs_sb):
     n, k = x.shape
     for p in numba.prange(n):
         xd = np.empty(k // act_block, np.float32)
@@ -61,7 +54,6 @@ def _quantize_tokens(x, act_block, sb, offset, xq, xd_sb, xs_sb, xi_sb):
                 s += xs16[j * sb // 16 + h]
             xd_sb[p, j] = d
             xs_sb[p, j] = d * np.float32(s)
-            xi_sb[p, j] = -offset * s
 
 
 def quantize_tokens(x: np.ndarray, t: int, act_block: int) -> TokenCodes:
@@ -71,47 +63,46 @@ def quantize_tokens(x: np.ndarray, t: int, act_block: int) -> TokenCodes:
     q = np.empty((n, k), np.int8)
     d = np.empty((n, k // sb), np.float32)
     s = np.empty((n, k // sb), np.float32)
-    i = np.empty((n, k // sb), np.int32)
-    _quantize_tokens(np.ascontiguousarray(x, np.float32), act_block, sb, np.int32(code_offset(t)), q, d, s, i)
-    return TokenCodes(q, d, s, i)
+    _quantize_tokens(np.ascontiguousarray(x, np.float32), act_block, sb, q, d, s)
+    return TokenCodes(q, d, s)
 
 
 @numba.njit(inline="always", nogil=True)
-def _block(nt, sb, codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xi, xso, ldxs, folded, out):
+def _block(nt, sb, codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out):
     """The block of nt tokens (1 to 8) for sub-blocks of sb values."""
     if sb == 32:
         if nt == 8:
-            codes_8x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xi, xso, ldxs, folded, out)
+            codes_8x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
         elif nt == 7:
-            codes_7x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xi, xso, ldxs, folded, out)
+            codes_7x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
         elif nt == 6:
-            codes_6x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xi, xso, ldxs, folded, out)
+            codes_6x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
         elif nt == 5:
-            codes_5x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xi, xso, ldxs, folded, out)
+            codes_5x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
         elif nt == 4:
-            codes_4x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xi, xso, ldxs, folded, out)
+            codes_4x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
         elif nt == 3:
-            codes_3x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xi, xso, ldxs, folded, out)
+            codes_3x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
         elif nt == 2:
-            codes_2x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xi, xso, ldxs, folded, out)
+            codes_2x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
         else:
-            codes_1x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xi, xso, ldxs, folded, out)
+            codes_1x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
     elif nt == 8:
-        codes_8x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xi, xso, ldxs, folded, out)
+        codes_8x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
     elif nt == 7:
-        codes_7x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xi, xso, ldxs, folded, out)
+        codes_7x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
     elif nt == 6:
-        codes_6x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xi, xso, ldxs, folded, out)
+        codes_6x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
     elif nt == 5:
-        codes_5x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xi, xso, ldxs, folded, out)
+        codes_5x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
     elif nt == 4:
-        codes_4x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xi, xso, ldxs, folded, out)
+        codes_4x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
     elif nt == 3:
-        codes_3x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xi, xso, ldxs, folded, out)
+        codes_3x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
     elif nt == 2:
-        codes_2x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xi, xso, ldxs, folded, out)
+        codes_2x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
     else:
-        codes_1x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xi, xso, ldxs, folded, out)
+        codes_1x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
 
 
 @numba.njit(inline="always", nogil=True)
@@ -123,22 +114,21 @@ def tile_buffers(t, k):
 
 
 @numba.njit(inline="always", nogil=True)
-def tile_times_tokens(sb, folded, words, scale, bias, xq, xd, xs, xi, p0, p1, out, r0, buf, shift):
-    """out[p + shift, r0:r0 + 16] = the tile's rows times tokens p of (xq, xd, xs, xi) for p0 <= p < p1 (folded:
-    code_offset of the tile's type, nonzero where xi holds the bias term, codes_block; columns
+def tile_times_tokens(sb, words, scale, bias, xq, xd, xs, p0, p1, out, r0, buf, shift):
+    """out[p + shift, r0:r0 + 16] = the tile's rows times tokens p of (xq, xd, xs) for p0 <= p < p1 (columns
     past out's end are dropped); buf: float32 scratch [8 * 16]. The tokens go in the fewest blocks of at most 8,
     of near-equal size (13 tokens: 7 + 6, not 8 + 4 + 1: a block streams the whole tile once, and its epilogue
     per sub-block costs the same for few tokens as for 8; 1.1-1.6x faster for odd counts, in cache)."""
     k = xq.shape[1]
     n_sub = xd.shape[1]
-    xqf, xdf, xsf, xif = xq.reshape(-1), xd.reshape(-1), xs.reshape(-1), xi.reshape(-1)
+    xqf, xdf, xsf = xq.reshape(-1), xd.reshape(-1), xs.reshape(-1)
     nr = min(ROWS, out.shape[1] - r0)
     p = p0
     blocks = (p1 - p0 + 7) // 8
     while p < p1:
         nt = (p1 - p + blocks - 1) // blocks
         blocks -= 1
-        _block(nt, sb, words, scale, bias, n_sub, xqf, p * k, k, xdf, xsf, xif, p * n_sub, n_sub, folded, buf)
+        _block(nt, sb, words, scale, bias, n_sub, xqf, p * k, k, xdf, xsf, p * n_sub, n_sub, buf)
         for j in range(nt):
             for i in range(nr):
                 out[p + j + shift, r0 + i] = buf[ROWS * j + i]
@@ -146,18 +136,18 @@ def tile_times_tokens(sb, folded, words, scale, bias, xq, xd, xs, xi, p0, p1, ou
 
 
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=False)
-def _matmul_codes(t, w, xq, xd, xs, xi, out):
-    """out = tokens (xq, xd, xs, xi) times W.T: a task per 16 rows, its tile decoded once for every token."""
-    sb, folded = sub_block(t), code_offset(t)
+def _matmul_codes(t, w, xq, xd, xs, out):
+    """out = tokens (xq, xd, xs) times W.T: a task per 16 rows, its tile decoded once for every token."""
+    sb = sub_block(t)
     for tile in numba.prange((w.shape[0] + ROWS - 1) // ROWS):
         words, scale, bias, stage = tile_buffers(t, xq.shape[1])
         decode_tile(t, w, ROWS * tile, words, scale, bias, stage, w, ROWS * (tile + 1))
         buf = np.empty(8 * ROWS, np.float32)
-        tile_times_tokens(sb, folded, words, scale, bias, xq, xd, xs, xi, 0, xq.shape[0], out, ROWS * tile, buf, 0)
+        tile_times_tokens(sb, words, scale, bias, xq, xd, xs, 0, xq.shape[0], out, ROWS * tile, buf, 0)
 
 
 def matmul_codes(w: np.ndarray, t: int, x: TokenCodes) -> np.ndarray:
     """out [n, rows] = tokens x (quantize_tokens for type t) times W.T, W uint8 [rows, row bytes] of type t."""
     out = np.empty((x.q.shape[0], w.shape[0]), np.float32)
-    _matmul_codes(int(t), w, x.q, x.d, x.s, x.i, out)
+    _matmul_codes(int(t), w, x.q, x.d, x.s, out)
     return out

@@ -6,10 +6,7 @@ With activations x = xd * q (q int8, xd one float per activation block),
 
     sum over a sub-block of value * x = scale * xd * (sum c q) + bias * (xd * sum q)
 
-so the products are exact integer sums and only two multiply-adds per (sub-block, token) are in floats. Where
-the bias is -offset times the scale (Q8_0, Q6_K, IQ2_XS, Q2_0: value = scale * (c - offset)), the integer sum
-starts at -offset * sum q and one multiply-add is left (code_tiles.code_offset; dense products of 512 tokens,
-one thread, in cache: IQ2_XS ~10% faster, Q8_0 ~7%, within this machine's noise for Q6_K).
+so the products are exact integer sums and only two multiply-adds per (sub-block, token) are in floats.
 
 The codes of a tile of 16 rows are interleaved: for each 4 consecutive values, 64 bytes hold rows 0..15's four
 codes in turn. One vpdpbusd (AVX-512 VNNI) then multiplies them with a token's 4 activation codes, broadcast,
@@ -49,77 +46,60 @@ def codes_block(nt: int, sb: int, vnni: bool = HAS_VNNI):
     for the nt tokens t (nt x 16 float32 accumulators stay in registers for the whole row length).
 
     codes uint8 [n_sub * sb * 16] interleaved as above; scale, bias float32 [n_sub * 16] (sub-block-major);
-    xq int8: token t's codes at xo + t * ldx; xd, xs float32, xi int32: token t's sub-block j activation scale,
-    that scale times the sub-block's code sum, and the integer the sub-block's code sums start from, at
-    xso + t * ldxs + j; out float32 [nt * 16]. folded (nonzero where the tile's bias is -offset times its scale
-    and xi is -offset times the code sum, int_matmul.quantize_tokens): the bias term is in the integer sums and
-    the multiply-add with bias and xs is left out (one of four float operations per sub-block and token)."""
+    xq int8: token t's codes at xo + t * ldx; xd, xs float32: token t's sub-block j activation scale and scale
+    times the sub-block's code sum at xso + t * ldxs + j; out float32 [nt * 16]."""
 
     @intrinsic
-    def block(typingctx, codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xi, xso, ldxs, folded, out):
+    def block(typingctx, codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out):
         if not (_array_1d(codes, types.uint8) and _array_1d(scale, types.float32) and _array_1d(bias, types.float32)
                 and _array_1d(xq, types.int8) and _array_1d(xd, types.float32) and _array_1d(xs, types.float32)
-                and _array_1d(xi, types.int32) and _array_1d(out, types.float32)):
+                and _array_1d(out, types.float32)):
             return None
 
         def codegen(context, builder, sig, args):
-            (codes_v, scale_v, bias_v, n_sub_v, xq_v, xo_v, ldx_v, xd_v, xs_v, xi_v, xso_v, ldxs_v, folded_v,
-             out_v) = args
+            codes_v, scale_v, bias_v, n_sub_v, xq_v, xo_v, ldx_v, xd_v, xs_v, xso_v, ldxs_v, out_v = args
             pc = _data(context, builder, sig.args[0], codes_v)
             ps = _data(context, builder, sig.args[1], scale_v)
             pb = _data(context, builder, sig.args[2], bias_v)
             px = _data(context, builder, sig.args[4], xq_v)
             pxd = _data(context, builder, sig.args[7], xd_v)
             pxs = _data(context, builder, sig.args[8], xs_v)
-            pxi = _data(context, builder, sig.args[9], xi_v)
-            po = _data(context, builder, sig.args[13], out_v)
+            po = _data(context, builder, sig.args[11], out_v)
             xo_v, ldx_v, xso_v, ldxs_v = (_i64(builder, v) for v in (xo_v, ldx_v, xso_v, ldxs_v))
-            unfolded = builder.icmp_signed("==", folded_v, ir.Constant(folded_v.type, 0))
             x_rows = [builder.add(xo_v, builder.mul(ldx_v, ir.Constant(_I64, t))) for t in range(nt)]
             s_rows = [builder.add(xso_v, builder.mul(ldxs_v, ir.Constant(_I64, t))) for t in range(nt)]
             accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * 16)) for _ in range(nt)]
-
-            def sub_blocks(with_bias):
-                """The loop over the sub-blocks, with the bias multiply-adds or without (folded)."""
-                with cgutils.for_range(builder, _i64(builder, n_sub_v)) as loop:
-                    j = loop.index
-                    # folded: the sums start at xi (-offset times the code sum), else at zero (xi is zero then)
-                    isum = [_splat(builder, builder.load(builder.gep(pxi, [builder.add(s_rows[t], j)])), 16, 32)
-                            if not with_bias else ir.Constant(_V16I, [0] * 16) for t in range(nt)]
-                    cbase = builder.mul(j, ir.Constant(_I64, sb * ROWS))
-                    xbase = builder.mul(j, ir.Constant(_I64, sb))
-                    for s in range(sb // 4):
-                        wp = builder.gep(pc, [builder.add(cbase, ir.Constant(_I64, 64 * s))])
-                        w = builder.load(builder.bitcast(wp, _V16I.as_pointer()), align=1)
-                        for t in range(nt):
-                            xp = builder.gep(px, [builder.add(x_rows[t], builder.add(xbase, ir.Constant(_I64, 4 * s)))])
-                            x4 = builder.load(builder.bitcast(xp, _I32.as_pointer()), align=1)
-                            isum[t] = _dpbusd(builder, isum[t], w, _splat(builder, x4, 16, 32), vnni)
-                    soff = builder.mul(j, ir.Constant(_I64, ROWS))
-                    sv = builder.load(builder.bitcast(builder.gep(ps, [soff]), _V16F.as_pointer()), align=4)
-                    bv = builder.load(builder.bitcast(builder.gep(pb, [soff]), _V16F.as_pointer()), align=4) \
-                        if with_bias else None
+            zero = ir.Constant(_V16I, [0] * 16)
+            with cgutils.for_range(builder, _i64(builder, n_sub_v)) as loop:
+                j = loop.index
+                isum = [zero] * nt
+                cbase = builder.mul(j, ir.Constant(_I64, sb * ROWS))
+                xbase = builder.mul(j, ir.Constant(_I64, sb))
+                for s in range(sb // 4):
+                    wp = builder.gep(pc, [builder.add(cbase, ir.Constant(_I64, 64 * s))])
+                    w = builder.load(builder.bitcast(wp, _V16I.as_pointer()), align=1)
                     for t in range(nt):
-                        k = builder.add(s_rows[t], j)
-                        dxv = _splat_f(builder, builder.load(builder.gep(pxd, [k])), 16)
-                        a = builder.load(accs[t])
-                        prod = builder.fmul(builder.sitofp(isum[t], _V16F), builder.fmul(sv, dxv, flags=_FL), flags=_FL)
-                        a = builder.fadd(a, prod, flags=_FL)
-                        if with_bias:
-                            sxv = _splat_f(builder, builder.load(builder.gep(pxs, [k])), 16)
-                            a = builder.fadd(a, builder.fmul(bv, sxv, flags=_FL), flags=_FL)
-                        builder.store(a, accs[t])
-
-            with builder.if_else(unfolded) as (then, otherwise):
-                with then:
-                    sub_blocks(True)
-                with otherwise:
-                    sub_blocks(False)
+                        xp = builder.gep(px, [builder.add(x_rows[t], builder.add(xbase, ir.Constant(_I64, 4 * s)))])
+                        x4 = builder.load(builder.bitcast(xp, _I32.as_pointer()), align=1)
+                        isum[t] = _dpbusd(builder, isum[t], w, _splat(builder, x4, 16, 32), vnni)
+                soff = builder.mul(j, ir.Constant(_I64, ROWS))
+                sv = builder.load(builder.bitcast(builder.gep(ps, [soff]), _V16F.as_pointer()), align=4)
+                bv = builder.load(builder.bitcast(builder.gep(pb, [soff]), _V16F.as_pointer()), align=4)
+                for t in range(nt):
+                    k = builder.add(s_rows[t], j)
+                    dx = builder.load(builder.gep(pxd, [k]))
+                    sx = builder.load(builder.gep(pxs, [k]))
+                    dxv, sxv = _splat_f(builder, dx, 16), _splat_f(builder, sx, 16)
+                    a = builder.load(accs[t])
+                    prod = builder.fmul(builder.sitofp(isum[t], _V16F), builder.fmul(sv, dxv, flags=_FL), flags=_FL)
+                    a = builder.fadd(a, prod, flags=_FL)
+                    a = builder.fadd(a, builder.fmul(bv, sxv, flags=_FL), flags=_FL)
+                    builder.store(a, accs[t])
             for t in range(nt):
                 op = builder.gep(po, [ir.Constant(_I64, ROWS * t)])
                 builder.store(builder.load(accs[t]), builder.bitcast(op, _V16F.as_pointer()), align=4)
             return context.get_dummy_value()
-        return types.none(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xi, xso, ldxs, folded, out), codegen
+        return types.none(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out), codegen
     return block
 
 

@@ -97,32 +97,27 @@ def test_matmul_codes_matches_float64(rng, t, rows, k):
 
 
 @pytest.mark.parametrize("sb", [16, 32])
-@pytest.mark.parametrize("offset", [0, 43])
-def test_portable_block_matches_vnni_block(rng, sb, offset):
+def test_portable_block_matches_vnni_block(rng, sb):
     """The block without VNNI (widening multiplies and adds, for CPUs without it) against the float64 product, as
-    the VNNI block where the CPU has it; with a bias of its own per sub-block, and folded into the integer sums
-    (offset: bias = -offset * scale, the bias array then unused, so NaN here)."""
+    the VNNI block where the CPU has it."""
     k, nt = 512, 4
     codes = rng.integers(0, 256, ROWS * k, dtype=np.uint8)  # every byte value, including codes above 127
     scale = rng.standard_normal(k // sb * ROWS).astype(np.float32)
-    bias = rng.standard_normal(k // sb * ROWS).astype(np.float32) if not offset else -offset * scale
+    bias = rng.standard_normal(k // sb * ROWS).astype(np.float32)
     xq = rng.integers(-128, 128, nt * k, dtype=np.int8)
     xd = rng.uniform(0.01, 1.0, nt * (k // sb)).astype(np.float32)
-    qsum = xq.reshape(nt, k // sb, sb).astype(np.int32).sum(axis=2).reshape(-1)
-    xs = (xd * qsum).astype(np.float32)
-    xi = (-offset * qsum).astype(np.int32)
+    xs = (xd * xq.reshape(nt, k // sb, sb).sum(axis=2).reshape(-1)).astype(np.float32)
     c = codes.reshape(k // 4, ROWS, 4).transpose(1, 0, 2).reshape(ROWS, k).astype(np.float64)
     w64 = (np.repeat(scale.reshape(k // sb, ROWS).T, sb, axis=1) * c
            + np.repeat(bias.reshape(k // sb, ROWS).T, sb, axis=1))
     x64 = np.repeat(xd.reshape(nt, k // sb), sb, axis=1) * xq.reshape(nt, k)
     want = x64 @ w64.T
-    given_bias = np.full_like(bias, np.nan) if offset else bias
     for vnni in [False] + ([True] if HAS_VNNI else []):
         block = codes_block(nt, sb, vnni)
 
         @numba.njit
-        def run(codes, scale, bias, xq, xd, xs, xi, folded, out):
-            block(codes, scale, bias, k // sb, xq, 0, k, xd, xs, xi, 0, k // sb, folded, out)
+        def run(codes, scale, bias, xq, xd, xs, out):
+            block(codes, scale, bias, k // sb, xq, 0, k, xd, xs, 0, k // sb, out)
         out = np.zeros(nt * ROWS, np.float32)
-        run(codes, scale, given_bias, xq, xd, xs, xi, offset, out)
+        run(codes, scale, bias, xq, xd, xs, out)
         assert np.all(np.abs(out.reshape(nt, ROWS) - want) <= REL_TOL * (np.abs(x64) @ np.abs(w64).T)), vnni
