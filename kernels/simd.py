@@ -1091,10 +1091,11 @@ def _prefetcher(locality: int):
     return prefetch
 
 
-# The hardware prefetchers stop at each 4 KiB page, so a row a matrix-vector product reaches next is requested
-# ahead (prefetch, into L1). A tile decode asks for 16 rows' chunks at once: into L1 those requests outnumber its
-# line-fill buffers and stall the loads (grouped Q8_0 down, 512 experts x 10 tokens: decode from RAM 0.19 ns per
-# weight per thread into L1, 0.094 into L2, 0.046 in cache), so it asks into L2 (prefetch_l2).
+# The hardware prefetchers stop at each 4 KiB page, so the rows a kernel reaches next are requested ahead. The
+# kernels ask into L2 (prefetch_l2): into L1 the requests outnumber its line-fill buffers and stall the kernels'
+# own loads (grouped Q8_0 down, 512 experts x 10 tokens: tile decode from RAM 0.19 ns per weight per thread
+# asking into L1, 0.094 into L2, 0.046 in cache; the Q6_K output head 8.7-11.9 -> 7.2-8.9 ms). prefetch (into
+# L1) is bench_kernels' bandwidth pass.
 prefetch = _prefetcher(3)
 prefetch_l2 = _prefetcher(2)
 
