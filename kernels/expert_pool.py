@@ -23,12 +23,10 @@ from .activations import swiglu_block
 from .grouped_codes import down_codes, gate_up_codes
 from .int_matmul import TokenCodes, quantize_tokens, use_codes
 from .quant import _check_weights, _format, activation_block, quantize_activations
-from .quant_dispatch import _FASTMATH, dequant_row, float_dots, has_fused_dot, has_int_dot, int_dots
+from .quant_dispatch import ROW_TASK, _FASTMATH, dequant_row, float_dots, has_fused_dot, has_int_dot, int_dots
 from .quant_dot import block_sums32
 from .quant_int import quantize_q8_sums
 from .small_matmul import matmul_nt_regs
-
-_ROWS_PER_TASK = 16  # rows per parallel task: enough work per task, enough tasks for every core
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
@@ -74,8 +72,8 @@ def _swiglu_experts(tg, gate, tu, up, td, down, x, ids, weights, out):
     if x.shape[0] % 32 == 0:
         block_sums32(x, xsum32)
     h = np.empty((k, ffn), np.float32)
-    per_expert = (ffn + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
-    u = np.empty((k * per_expert, _ROWS_PER_TASK), np.float32)  # each task's up products
+    per_expert = (ffn + ROW_TASK - 1) // ROW_TASK
+    u = np.empty((k * per_expert, ROW_TASK), np.float32)  # each task's up products
     fused = has_fused_dot(tg) and has_fused_dot(tu)
     for task in numba.prange(k * per_expert):
         j, r0, r1 = _task_rows(task, per_expert, ffn)
@@ -90,7 +88,7 @@ def _swiglu_experts(tg, gate, tu, up, td, down, x, ids, weights, out):
     if ffn % 32 == 0:
         for j in range(k):
             block_sums32(h[j], hsum32[j])
-    per_expert = (hidden + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
+    per_expert = (hidden + ROW_TASK - 1) // ROW_TASK
     y = np.empty((k, hidden), np.float32)
     fused = has_fused_dot(td)
     for task in numba.prange(k * per_expert):
@@ -113,8 +111,8 @@ def _swiglu_experts_int(tg, gate, tu, up, td, down, x, x_block, h_block, ids, we
     xs = np.empty(x.shape[0] // 16, np.int32)
     quantize_q8_sums(x, x_block, xq, xd, xs)
     h = np.empty((k, ffn), np.float32)
-    per_expert = (ffn + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
-    u = np.empty((k * per_expert, _ROWS_PER_TASK), np.float32)  # each task's up products
+    per_expert = (ffn + ROW_TASK - 1) // ROW_TASK
+    u = np.empty((k * per_expert, ROW_TASK), np.float32)  # each task's up products
     for task in numba.prange(k * per_expert):
         j, r0, r1 = _task_rows(task, per_expert, ffn)
         e = ids[j]
@@ -128,7 +126,7 @@ def _swiglu_experts_int(tg, gate, tu, up, td, down, x, x_block, h_block, ids, we
     hs = np.empty((k, ffn // 16), np.int32)
     for j in range(k):  # ~1 us per expert: a parallel region here would cost ~100 us of waking the workers
         quantize_q8_sums(h[j], h_block, hq[j], hd[j], hs[j])
-    per_expert = (hidden + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
+    per_expert = (hidden + ROW_TASK - 1) // ROW_TASK
     y = np.empty((k, hidden), np.float32)
     for task in numba.prange(k * per_expert):
         j, r0, r1 = _task_rows(task, per_expert, hidden)
@@ -142,8 +140,8 @@ def _swiglu_experts_int(tg, gate, tu, up, td, down, x, x_block, h_block, ids, we
 @numba.njit(inline="always", nogil=True)
 def _task_rows(task, per_group, n_rows):
     """(group, first row, end row) of a grouped call's task: tasks are (group, block of rows)."""
-    r0 = (task % per_group) * _ROWS_PER_TASK
-    return task // per_group, r0, min(n_rows, r0 + _ROWS_PER_TASK)
+    r0 = (task % per_group) * ROW_TASK
+    return task // per_group, r0, min(n_rows, r0 + ROW_TASK)
 
 
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
@@ -155,7 +153,7 @@ def _experts_gate_up_grouped(tg, gate, tu, up, xp, group_experts, group_starts, 
     which were twice as fast as a dot per (row, token)). Decoding the rows in 256-value chunks into a tile
     that stays in L1 was tried and was no faster: the rows come from RAM, and their decode is ~45% of a task."""
     ffn, hidden = gate.shape[1], xp.shape[1]
-    per_group = (ffn + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
+    per_group = (ffn + ROW_TASK - 1) // ROW_TASK
     for task in numba.prange(group_experts.shape[0] * per_group):
         g, r0, r1 = _task_rows(task, per_group, ffn)
         e, p0, p1 = group_experts[g], group_starts[g], group_starts[g + 1]
@@ -177,7 +175,7 @@ def _experts_down_grouped(td, down, h, group_experts, group_starts, y):
     """y[p] = down_e h[p] for the pairs of every group: a block of down rows decoded once into a tile and
     multiplied with the group's SwiGLU outputs (matmul_nt_regs)."""
     hidden, ffn = down.shape[1], h.shape[1]
-    per_group = (hidden + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
+    per_group = (hidden + ROW_TASK - 1) // ROW_TASK
     for task in numba.prange(group_experts.shape[0] * per_group):
         g, r0, r1 = _task_rows(task, per_group, hidden)
         e, p0, p1 = group_experts[g], group_starts[g], group_starts[g + 1]

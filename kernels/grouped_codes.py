@@ -19,7 +19,7 @@ from .simd_gemm import ROWS
 
 
 @numba.njit(inline="always", nogil=True)
-def _task_rows(group_experts, per_group, n_tasks, task):
+def _task_expert_row(group_experts, per_group, n_tasks, task):
     """(expert, first row) of task (the last task's for a task past the end): the rows a decode asks for next."""
     task = min(task, n_tasks - 1)
     return group_experts[task // per_group], (task % per_group) * ROWS
@@ -56,7 +56,7 @@ def _gate_up_codes(tg, gate, tu, up, xq, xd, xs, group_experts, group_starts, h)
         for task in range(run * per_run, min(n_tasks, (run + 1) * per_run)):
             g, r0 = task // per_group, (task % per_group) * ROWS
             e, p0, p1 = group_experts[g], group_starts[g], group_starts[g + 1]
-            ne, n0 = _task_rows(group_experts, per_group, n_tasks, task + 1)
+            ne, n0 = _task_expert_row(group_experts, per_group, n_tasks, task + 1)
             decode_tile(tg, gate[e], r0, gw, gs, gb, stage, up[e], r0)
             decode_tile(tu, up[e], r0, uw, us, ub, stage, gate[ne], n0)
             tile_times_tokens(sbg, gw, gs, gb, xq, xd, xs, p0, p1, gv, 0, buf, -p0)
@@ -78,7 +78,7 @@ def _down_codes(td, down, hq, hd, hs, group_experts, group_starts, y):
         for task in range(run * per_run, min(n_tasks, (run + 1) * per_run)):
             g, r0 = task // per_group, (task % per_group) * ROWS
             e, p0, p1 = group_experts[g], group_starts[g], group_starts[g + 1]
-            ne, n0 = _task_rows(group_experts, per_group, n_tasks, task + 1)
+            ne, n0 = _task_expert_row(group_experts, per_group, n_tasks, task + 1)
             decode_tile(td, down[e], r0, words, scale, bias, stage, down[ne], n0)
             tile_times_tokens(sb, words, scale, bias, hq, hd, hs, p0, p1, y, r0, buf, 0)
 

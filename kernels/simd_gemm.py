@@ -127,6 +127,14 @@ def _transpose16(builder, vecs):
     return vecs
 
 
+def _store_interleaved(builder, pt, base, rows):
+    """64 codes of each of 16 rows (<16 x i32> each, row i's codes 4 s .. 4 s + 3 in word s) into a tile at byte
+    base of pointer pt, interleaved: word s of row i to word 16 s + i."""
+    for s, col in enumerate(_transpose16(builder, rows)):
+        p = builder.gep(pt, [builder.add(base, ir.Constant(_I64, 64 * s))])
+        builder.store(col, builder.bitcast(p, _V16I.as_pointer()), align=1)
+
+
 @intrinsic
 def interleave16(typingctx, stage, n, tile, w0):
     """Codes of 16 rows, row i at stage[i * n : (i + 1) * n] (n a multiple of 64), into the tile's interleaved
@@ -146,11 +154,8 @@ def interleave16(typingctx, stage, n, tile, w0):
             for i in range(16):
                 p = builder.gep(ps, [builder.add(builder.mul(n_v, ir.Constant(_I64, i)), c64)])
                 rows.append(builder.load(builder.bitcast(p, _V16I.as_pointer()), align=1))
-            cols = _transpose16(builder, rows)
             base = builder.mul(builder.add(w0_v, builder.mul(loop.index, ir.Constant(_I64, 256))), ir.Constant(_I64, 4))
-            for s in range(16):
-                p = builder.gep(pt, [builder.add(base, ir.Constant(_I64, 64 * s))])
-                builder.store(cols[s], builder.bitcast(p, _V16I.as_pointer()), align=1)
+            _store_interleaved(builder, pt, base, rows)
         return context.get_dummy_value()
     return types.none(stage, n, tile, w0), codegen
 
@@ -186,11 +191,7 @@ def q8_0_tile64(typingctx, src, o, stride, tile, w0, scale, bias, s0):
                 halves.append(builder.load(builder.bitcast(qp, v32.as_pointer()), align=1))
             row = builder.xor(builder.shuffle_vector(halves[0], halves[1], both), flip)
             rows.append(builder.bitcast(row, _V16I))
-        cols = _transpose16(builder, rows)
-        base = builder.mul(w0_v, ir.Constant(_I64, 4))
-        for c in range(16):
-            p = builder.gep(pt, [builder.add(base, ir.Constant(_I64, 64 * c))])
-            builder.store(cols[c], builder.bitcast(p, _V16I.as_pointer()), align=1)
+        _store_interleaved(builder, pt, builder.mul(w0_v, ir.Constant(_I64, 4)), rows)
         for j in range(2):
             d = builder.fpext(builder.bitcast(ds[j], ir.VectorType(ir.HalfType(), 16)), _V16F)
             so = builder.add(s0_v, ir.Constant(_I64, 16 * j))
