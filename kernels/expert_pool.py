@@ -63,6 +63,37 @@ def add_scaled_rows(out: np.ndarray, rows: np.ndarray, y: np.ndarray, scale: np.
     _add_scaled_rows(out, rows, np.ascontiguousarray(y), np.ascontiguousarray(scale, np.float32))
 
 
+@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def gate_up_float(tg, gate, tu, up, r0, r1, x, xsum32, scratch, h, u, weight):
+    """h[r] = weight * silu(gate row r . x) * (up row r . x) for r0 <= r < r1 of one expert (float dots; u: the
+    task's scratch for its up products, scratch: a row to decode into where a type has no fused dot). The
+    weight goes in here: down is linear."""
+    float_dots(tg, gate, r0, r1, x, xsum32, scratch, h, r0)
+    float_dots(tu, up, r0, r1, x, xsum32, scratch, u, 0)
+    for r in range(r0, r1):
+        g = h[r]
+        h[r] = g / (np.float32(1.0) + np.exp(-g)) * u[r - r0] * weight
+
+
+@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def gate_up_int(tg, gate, tu, up, r0, r1, xq, xd, xs, h, u):
+    """h[r] = silu(gate row r . x) * (up row r . x) for r0 <= r < r1 of one expert, x given as ggml's int8
+    blocks (integer dots); the weight comes after down, whose activations are these outputs rounded again."""
+    int_dots(tg, gate, r0, r1, xq, xd, xs, h, r0)
+    int_dots(tu, up, r0, r1, xq, xd, xs, u, 0)
+    for r in range(r0, r1):
+        g = h[r]
+        h[r] = g / (np.float32(1.0) + np.exp(-g)) * u[r - r0]
+
+
+@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def down_int(td, down, r0, r1, hq, hd, hs, y, weight):
+    """y[r] = weight * (down row r . h) for r0 <= r < r1, h given as int8 blocks."""
+    int_dots(td, down, r0, r1, hq, hd, hs, y, r0)
+    for r in range(r0, r1):
+        y[r] *= weight
+
+
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
 def _swiglu_experts(tg, gate, tu, up, td, down, x, ids, weights, out):
     k = ids.shape[0]
@@ -77,13 +108,8 @@ def _swiglu_experts(tg, gate, tu, up, td, down, x, ids, weights, out):
     fused = has_fused_dot(tg) and has_fused_dot(tu)
     for task in numba.prange(k * per_expert):
         j, r0, r1 = _task_rows(task, per_expert, ffn)
-        e = ids[j]
         scratch = xsum32 if fused else np.empty(x.shape[0], np.float32)  # a row to decode into where not fused
-        float_dots(tg, gate[e], r0, r1, x, xsum32, scratch, h[j], r0)
-        float_dots(tu, up[e], r0, r1, x, xsum32, scratch, u[task], 0)
-        for r in range(r0, r1):
-            g = h[j, r]
-            h[j, r] = g / (np.float32(1.0) + np.exp(-g)) * u[task, r - r0] * weights[j]
+        gate_up_float(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, x, xsum32, scratch, h[j], u[task], weights[j])
     hsum32 = np.empty((k, max(1, ffn // 32)), np.float32)
     if ffn % 32 == 0:
         for j in range(k):
@@ -93,9 +119,8 @@ def _swiglu_experts(tg, gate, tu, up, td, down, x, ids, weights, out):
     fused = has_fused_dot(td)
     for task in numba.prange(k * per_expert):
         j, r0, r1 = _task_rows(task, per_expert, hidden)
-        e = ids[j]
         scratch = hsum32[j] if fused else np.empty(ffn, np.float32)
-        float_dots(td, down[e], r0, r1, h[j], hsum32[j], scratch, y[j], r0)
+        float_dots(td, down[ids[j]], r0, r1, h[j], hsum32[j], scratch, y[j], r0)
     _add_experts(y, out)
 
 
@@ -115,12 +140,7 @@ def _swiglu_experts_int(tg, gate, tu, up, td, down, x, x_block, h_block, ids, we
     u = np.empty((k * per_expert, ROW_TASK), np.float32)  # each task's up products
     for task in numba.prange(k * per_expert):
         j, r0, r1 = _task_rows(task, per_expert, ffn)
-        e = ids[j]
-        int_dots(tg, gate[e], r0, r1, xq, xd, xs, h[j], r0)
-        int_dots(tu, up[e], r0, r1, xq, xd, xs, u[task], 0)
-        for r in range(r0, r1):
-            g = h[j, r]
-            h[j, r] = g / (np.float32(1.0) + np.exp(-g)) * u[task, r - r0]
+        gate_up_int(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, xq, xd, xs, h[j], u[task])
     hq = np.empty((k, ffn), np.int8)
     hd = np.empty((k, ffn // h_block), np.float32)
     hs = np.empty((k, ffn // 16), np.int32)
@@ -130,10 +150,7 @@ def _swiglu_experts_int(tg, gate, tu, up, td, down, x, x_block, h_block, ids, we
     y = np.empty((k, hidden), np.float32)
     for task in numba.prange(k * per_expert):
         j, r0, r1 = _task_rows(task, per_expert, hidden)
-        e = ids[j]
-        int_dots(td, down[e], r0, r1, hq[j], hd[j], hs[j], y[j], r0)
-        for r in range(r0, r1):
-            y[j, r] *= weights[j]
+        down_int(td, down[ids[j]], r0, r1, hq[j], hd[j], hs[j], y[j], weights[j])
     _add_experts(y, out)
 
 

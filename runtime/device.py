@@ -10,6 +10,7 @@ import numba
 import numpy as np
 
 from strata_async.kernels import expert_pool, quant
+from strata_async.kernels import moe_token as fused_moe
 
 from .weights import QTensor
 
@@ -27,6 +28,14 @@ class Device(Protocol):
                        weights: np.ndarray, out: np.ndarray) -> bool:
         """out [hidden] += sum_j weights[j] * SwiGLU expert ids[j] of one token x [hidden], all experts in one
         call. gate/up/down: 3-D expert tensors. Returns False (out untouched) where the device has no such path."""
+
+    def moe_token(self, x: np.ndarray, router: QTensor, k: int, normalize: bool, experts: tuple[QTensor, ...],
+                  shared: tuple[QTensor, ...] | None, gate_inp: QTensor | None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """One token's whole MoE block in one call: (out [hidden], ids [k], weights [k]) for x [hidden], the
+        router's softmax top-k (renormalised where normalize) over the routed experts (gate, up, down: 3-D) plus the
+        shared expert's (gate, up, down: 2-D) output, scaled by sigmoid(gate_inp . x) where gate_inp is given.
+        None where the device has no such path for these tensors."""
 
     def swiglu_experts_grouped(self, x: np.ndarray, gate: QTensor, up: QTensor, down: QTensor,
                                pair_tokens: np.ndarray, group_experts: np.ndarray,
@@ -86,6 +95,22 @@ class HostDevice:
         expert_pool.swiglu_experts(gate.data, gate.ggml_type, up.data, up.ggml_type, down.data, down.ggml_type,
                                    x, ids, weights, out, self.quantized_activations)
         return True
+
+    def moe_token(self, x: np.ndarray, router: QTensor, k: int, normalize: bool, experts: tuple[QTensor, ...],
+                  shared: tuple[QTensor, ...] | None, gate_inp: QTensor | None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        projections = experts + (shared or ())
+        if not fused_moe.has_moe_token(router.ggml_type, gate_inp.ggml_type if gate_inp is not None else None,
+                                       tuple(w.ggml_type for w in projections), self.quantized_activations):
+            return None
+        if self.quantized_activations and (experts[0].ggml_type != experts[1].ggml_type
+                                           or (shared and shared[0].ggml_type != shared[1].ggml_type)):
+            return None
+        pairs = [(w.data, w.ggml_type) for w in projections]
+        return fused_moe.moe_token(x, (router.data, router.ggml_type), k, normalize, tuple(pairs[:3]),
+                                   tuple(pairs[3:]) if shared else None,
+                                   (gate_inp.data, gate_inp.ggml_type) if gate_inp is not None else None,
+                                   self.quantized_activations)
 
     def swiglu_experts_grouped(self, x: np.ndarray, gate: QTensor, up: QTensor, down: QTensor,
                                pair_tokens: np.ndarray, group_experts: np.ndarray,

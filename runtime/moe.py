@@ -4,9 +4,11 @@
 layer's expert weights, the hidden states and those choices, groups the tokens by expert, runs each
 selected expert's SwiGLU through the device (the experts with a few tokens all in one grouped call, each
 busier expert on its own 2-D slices), and sums the weighted results (plus the shared expert, if the layer
-has one). A single token (decode) goes to the device's expert pool
-instead: all its experts in one call, the shared expert in a second, with no per-expert Python. Deciding
-where each expert runs is this module's business alone: architecture files only call ``moe_ffn``.
+has one). ``moe_layer`` is the whole block: routing, then ``moe_ffn``; a single token (decode) goes to the
+device's fused call instead, router, top-k, shared and routed experts in one compiled call with no per-expert
+Python (or, where the device has no fused path for the tensors' types, to its expert pool: all the selected
+experts in one call, the shared expert in a second). Deciding where each expert runs is this module's business
+alone: architecture files only call ``moe_layer`` (or ``moe_ffn`` with routing of their own).
 """
 
 from __future__ import annotations
@@ -80,6 +82,20 @@ _UNSCALED = np.ones(1, np.float32)
 def _as_pool(w: QTensor) -> QTensor:
     """A 2-D matrix as a 3-D expert tensor of one expert (a view)."""
     return QTensor(w.name, w.ggml_type, (1, *w.shape), w.data.reshape(1, *w.data.shape))
+
+
+def moe_layer(dev: Device, x: np.ndarray, router: QTensor, k: int, normalize: bool, experts: RoutedExperts,
+              shared: SharedExpert | None = None) -> np.ndarray:
+    """A layer's MoE block on x [n, hidden]: each token's k most probable experts by the router's softmax
+    (renormalised over the k where normalize), their weighted SwiGLU outputs summed (+ the gated shared expert)."""
+    if x.shape[0] == 1:
+        fused = dev.moe_token(x[0], router, k, normalize, (experts.gate, experts.up, experts.down),
+                              None if shared is None else (shared.gate, shared.up, shared.down),
+                              None if shared is None else shared.gate_inp)
+        if fused is not None:
+            return fused[0][None, :]
+    ids, weights = route_softmax_topk(dev.linear(x, router), k, normalize)
+    return moe_ffn(dev, x, experts, ids, weights, shared)
 
 
 def moe_ffn(dev: Device, x: np.ndarray, experts: RoutedExperts, ids: np.ndarray, weights: np.ndarray,

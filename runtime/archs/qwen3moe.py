@@ -16,7 +16,7 @@ import numpy as np
 from ..config import LoadOptions, Metadata, ModelConfig
 from ..device import Device
 from ..layers import attention, linear, rmsnorm, rope
-from ..moe import RoutedExperts, moe_ffn, route_softmax_topk
+from ..moe import RoutedExperts, moe_layer
 from ..state import KVCache, SequenceState
 from ..weights import QTensor, WeightStore
 from . import DebugHook
@@ -121,8 +121,8 @@ class Model:
             h = h + hook("attn_out", i, self.attention(layer.attn, x, positions, cache))
             hook("ffn_inp", i, h)
             x = hook("ffn_norm", i, rmsnorm(h, layer.ffn_norm, c.rms_eps))
-            ids, weights = route_softmax_topk(linear(self.dev, x, layer.router), c.n_experts_used, c.norm_topk_prob)
-            h = h + hook("moe_out", i, moe_ffn(self.dev, x, layer.experts, ids, weights))
+            moe = moe_layer(self.dev, x, layer.router, c.n_experts_used, c.norm_topk_prob, layer.experts)
+            h = h + hook("moe_out", i, moe)
             hook("layer_out", i, h)
         return hook("output_norm", -1, rmsnorm(h, self.emb.output_norm, c.rms_eps))
 

@@ -28,7 +28,7 @@ from ..deltanet import DeltaNetShape, DeltaNetWeights, InputProjection, gated_de
 from ..device import Device
 from ..hyper import HyperConnection, hc_read, hc_write
 from ..layers import attention, gate_sigmoid, linear, rmsnorm, rope, sparse_attention
-from ..moe import RoutedExperts, SharedExpert, moe_ffn, route_softmax_topk
+from ..moe import RoutedExperts, SharedExpert, moe_layer
 from ..ple import TABLE_TENSOR, NGramHash, NGramTable, PLEWeights, new_ple_state, ple_module
 from ..qsa import Indexer, QSAShape, select_positions
 from ..state import DeltaNetState, IndexedKVCache, KVCache, PLELayerState, SequenceState
@@ -243,9 +243,9 @@ class Model:
                 mixed = self.attention(layer.mixer, x, positions, layer_state)
             h = hc_write(h, hook("attn_out", i, mixed), inject)
             x, inject = hc_read(self.dev, layer.ffn_hc, h, c.hc, c.rms_eps)
-            ids, weights = route_softmax_topk(linear(self.dev, x, layer.router), c.n_experts_used, c.norm_topk_prob)
-            h = hc_write(h, hook("moe_out", i, moe_ffn(self.dev, x, layer.experts, ids, weights, layer.shared)),
-                         inject)
+            moe = moe_layer(self.dev, x, layer.router, c.n_experts_used, c.norm_topk_prob, layer.experts,
+                            layer.shared)
+            h = hc_write(h, hook("moe_out", i, moe), inject)
             hook("layer_out", i, h)
         out, _ = hc_read(self.dev, self.final_hc, h, c.hc, c.rms_eps)
         return hook("output_norm", -1, out)

@@ -1,0 +1,215 @@
+"""One token's whole MoE block in one compiled call (decode): router, top-k, shared expert and routed experts.
+
+Done as separate calls, a decoded token's MoE block was five parallel regions and as many trips through Python:
+the router's matrix-vector product, the softmax top-k, the expert pool's two phases, and the same two again for
+the shared expert after its sigmoid gate. Here, in one call:
+
+1. on the calling thread: the activations' block sums (and their int8 blocks), the shared expert's gate;
+2. parallel: the router's rows and the shared expert's gate/up rows together (neither waits for the routing);
+3. on the calling thread: softmax and the k largest (routing._softmax_topk);
+4. parallel: the selected experts' gate/up rows;
+5. on the calling thread: each expert's SwiGLU output rounded to int8 blocks (integer path) or summed per 32;
+6. parallel: every down row, the routed experts' and the shared expert's;
+7. on the calling thread: out += the routed outputs in expert order, then + the shared expert's.
+
+Every product is the dot of the separate calls (quant_dispatch.float_dots / int_dots, expert_pool's gate/up and
+down steps) and the sums keep their order, so the results are those of route + pool + pool. The router and
+the shared expert's gate must be float tensors (F32, F16, BF16: llama.cpp never quantizes them), which take the
+activations unrounded in both paths.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from .activations import _sigmoid
+from .expert_pool import _add_experts, _task_rows, down_int, gate_up_float, gate_up_int
+from .quant import _check_weights, _format
+from .quant_dispatch import ROW_TASK, _FASTMATH, float_dots, has_fused_dot, has_int_dot
+from .quant_dot import block_sums32
+from .quant_float import BF16, F16, F32
+from .quant_int import quantize_q8_sums
+from .routing import _softmax_topk
+
+FLOAT_TYPES = frozenset({F32, F16, BF16})
+
+
+@numba.njit(inline="always", nogil=True)
+def _q8(x, block, quantized):
+    """x's int8 blocks, scales and 16-sums (empty where not quantized)."""
+    n = x.shape[0] if quantized else 0
+    xq = np.empty(n, np.int8)
+    xd = np.empty(n // block, np.float32)
+    xs = np.empty(n // 16, np.int32)
+    if quantized:
+        quantize_q8_sums(x, block, xq, xd, xs)
+    return xq, xd, xs
+
+
+@numba.njit(inline="always", nogil=True)
+def _sums32(x):
+    """x's sums per 32 (for the fused float dots), where x has whole blocks of 32."""
+    s = np.empty(max(1, x.shape[0] // 32), np.float32)
+    if x.shape[0] > 0 and x.shape[0] % 32 == 0:
+        block_sums32(x, s)
+    return s
+
+
+@numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
+def _moe_token(rt, router, it, gate_inp, normalize, tg, gate, tu, up, td, down, stg, sgate, stu, sup, std, sdown,
+               x, quantized, blocks, ids, weights, out):
+    """blocks: int8 block sizes of the activations of (gate/up, down, shared gate/up, shared down); a shared
+    expert with no rows is none, a gate_inp with no rows an unscaled shared expert."""
+    n_experts, k, hidden = router.shape[0], ids.shape[0], x.shape[0]
+    ffn, sffn = gate.shape[1], sgate.shape[0]
+    xsum32 = _sums32(x)
+    xq, xd, xs = _q8(x, blocks[0], quantized)
+    sxq, sxd, sxs = _q8(x, blocks[2], quantized and sffn > 0)
+    scale = np.ones(1, np.float32)
+    if sffn > 0 and gate_inp.shape[0] == 1:
+        dot = np.empty(1, np.float32)
+        float_dots(it, gate_inp, 0, 1, x, xsum32, np.empty(hidden, np.float32), dot, 0)
+        _sigmoid(dot, scale)
+
+    # router rows and the shared expert's gate/up rows
+    logits = np.empty(n_experts, np.float32)
+    n_router = (n_experts + ROW_TASK - 1) // ROW_TASK
+    n_shared = (sffn + ROW_TASK - 1) // ROW_TASK
+    sh = np.empty(sffn, np.float32)
+    su = np.empty((n_shared, ROW_TASK), np.float32)
+    for task in numba.prange(n_router + n_shared):
+        if task < n_router:
+            r0 = task * ROW_TASK
+            scratch = xsum32 if has_fused_dot(rt) else np.empty(hidden, np.float32)
+            float_dots(rt, router, r0, min(n_experts, r0 + ROW_TASK), x, xsum32, scratch, logits, r0)
+        else:
+            s = task - n_router
+            r0 = s * ROW_TASK
+            r1 = min(sffn, r0 + ROW_TASK)
+            if quantized:
+                gate_up_int(stg, sgate, stu, sup, r0, r1, sxq, sxd, sxs, sh, su[s])
+            else:
+                scratch = xsum32 if has_fused_dot(stg) and has_fused_dot(stu) else np.empty(hidden, np.float32)
+                gate_up_float(stg, sgate, stu, sup, r0, r1, x, xsum32, scratch, sh, su[s], scale[0])
+
+    _softmax_topk(logits.reshape((1, n_experts)), normalize, np.empty(n_experts, np.float32),
+                  ids.reshape((1, k)), weights.reshape((1, k)))
+
+    h = np.empty((k, ffn), np.float32)
+    per_expert = (ffn + ROW_TASK - 1) // ROW_TASK
+    u = np.empty((k * per_expert, ROW_TASK), np.float32)
+    for task in numba.prange(k * per_expert):
+        j, r0, r1 = _task_rows(task, per_expert, ffn)
+        if quantized:
+            gate_up_int(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, xq, xd, xs, h[j], u[task])
+        else:
+            scratch = xsum32 if has_fused_dot(tg) and has_fused_dot(tu) else np.empty(hidden, np.float32)
+            gate_up_float(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, x, xsum32, scratch, h[j], u[task], weights[j])
+
+    # the down rows' activations: int8 blocks, or float sums per 32
+    nq = ffn if quantized else 0
+    hq = np.empty((k, nq), np.int8)
+    hd = np.empty((k, nq // blocks[1]), np.float32)
+    hs = np.empty((k, nq // 16), np.int32)
+    hsum32 = np.empty((k, max(1, ffn // 32)), np.float32)
+    for j in range(k):
+        if quantized:
+            quantize_q8_sums(h[j], blocks[1], hq[j], hd[j], hs[j])
+        elif ffn % 32 == 0:
+            block_sums32(h[j], hsum32[j])
+    shq, shd, shs = _q8(sh, blocks[3], quantized and sffn > 0)
+    shsum32 = _sums32(sh)
+
+    per_expert = (hidden + ROW_TASK - 1) // ROW_TASK
+    n_shared = per_expert if sffn > 0 else 0
+    y = np.empty((k, hidden), np.float32)
+    sy = np.empty(hidden, np.float32)
+    for task in numba.prange(k * per_expert + n_shared):
+        if task < k * per_expert:
+            j, r0, r1 = _task_rows(task, per_expert, hidden)
+            if quantized:
+                down_int(td, down[ids[j]], r0, r1, hq[j], hd[j], hs[j], y[j], weights[j])
+            else:
+                scratch = hsum32[j] if has_fused_dot(td) else np.empty(ffn, np.float32)
+                float_dots(td, down[ids[j]], r0, r1, h[j], hsum32[j], scratch, y[j], r0)
+        else:
+            r0 = (task - k * per_expert) * ROW_TASK
+            r1 = min(hidden, r0 + ROW_TASK)
+            if quantized:
+                down_int(std, sdown, r0, r1, shq, shd, shs, sy, scale[0])
+            else:
+                scratch = shsum32 if has_fused_dot(std) else np.empty(sffn, np.float32)
+                float_dots(std, sdown, r0, r1, sh, shsum32, scratch, sy, r0)
+    _add_experts(y, out)
+    if sffn > 0:
+        _add_experts(sy.reshape((1, hidden)), out)
+
+
+Projection = tuple[np.ndarray, int]  # a weight tensor's rows (uint8, ggml blocks) and its ggml type
+
+
+def has_moe_token(router_type: int, gate_inp_type: int | None, types: tuple[int, ...], quantized: bool) -> bool:
+    """Whether moe_token computes a block with this router and gate types and these expert projection types
+    (quantized: the integer path, which needs integer dots for every projection)."""
+    if router_type not in FLOAT_TYPES or (gate_inp_type is not None and gate_inp_type not in FLOAT_TYPES):
+        return False
+    return not quantized or all(has_int_dot(t) for t in types)
+
+
+def moe_token(x: np.ndarray, router: Projection, k: int, normalize: bool, experts: tuple[Projection, ...],
+              shared: tuple[Projection, ...] | None = None, gate_inp: Projection | None = None,
+              quantized_activations: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One token's MoE block: returns (out, ids, weights), out [hidden] = sum_j weights[j] * SwiGLU expert ids[j]
+    of x + the shared expert (scaled by sigmoid(gate_inp . x) where gate_inp is given), ids/weights the router's
+    softmax top-k (renormalised to sum 1 where normalize), as route_softmax_topk gives them.
+
+    x: float32 [hidden]. router: [n_experts, hidden] rows of a float type. experts: (gate, up, down), 3-D
+    [n_experts, rows, row bytes] (gate/up rows of length hidden, down rows of length ffn); shared: (gate, up,
+    down) as 2-D matrices; gate_inp: [1, hidden]. quantized_activations: ggml's int8 activations and integer
+    dots (see expert_pool.swiglu_experts); has_moe_token says which types this call takes.
+    """
+    (gate, tg), (up, tu), (down, td) = experts
+    if gate.ndim != 3 or up.shape[:2] != gate.shape[:2] or down.ndim != 3 or down.shape[0] != gate.shape[0]:
+        raise ValueError(f"expert tensors must be [n_experts, rows, row bytes] with matching gate/up; got gate "
+                         f"{gate.shape}, up {up.shape}, down {down.shape}")
+    n_experts, ffn, hidden = gate.shape[0], gate.shape[1], down.shape[1]
+    x = np.ascontiguousarray(x, np.float32)
+    if x.shape != (hidden,):
+        raise ValueError(f"x must be float32 [{hidden}], got {x.shape}")
+    rw, rt = router
+    if rw.ndim != 2 or rw.shape[0] != n_experts:
+        raise ValueError(f"the router must be [{n_experts}, row bytes] (one row per expert), got {rw.shape}")
+    if not 1 <= k <= n_experts:
+        raise ValueError(f"k must be between 1 and the number of experts ({n_experts}), got {k}")
+    projections = [(gate[0], tg, hidden), (up[0], tu, hidden), (down[0], td, ffn), (rw, rt, hidden)]
+    if shared is None:
+        (sg, stg), (su, stu), (sd, std) = ((np.empty((0, w.shape[-1]), np.uint8), t) for w, t in experts)
+    else:
+        (sg, stg), (su, stu), (sd, std) = shared
+        if sg.ndim != 2 or su.shape != sg.shape or sd.ndim != 2 or sd.shape[0] != hidden:
+            raise ValueError(f"the shared expert must be gate/up [ffn, row bytes] and down [{hidden}, row bytes]; "
+                             f"got {sg.shape}, {su.shape}, {sd.shape}")
+        projections += [(sg, stg, hidden), (su, stu, hidden), (sd, std, sg.shape[0])]
+    gi, it = gate_inp if gate_inp is not None else (np.empty((0, rw.shape[1]), np.uint8), rt)
+    if gate_inp is not None:
+        if gi.ndim != 2 or gi.shape[0] != 1:
+            raise ValueError(f"the shared expert's gate must be one row [1, row bytes], got {gi.shape}")
+        projections.append((gi, it, hidden))
+    for w, t, length in projections:
+        _check_weights(w, _format(t), length)
+        if not w.flags.c_contiguous:
+            raise ValueError("weight tensors must be C-contiguous (as they lie in the file)")
+    types = (tg, tu, td) + ((stg, stu, std) if shared is not None else ())
+    if not has_moe_token(rt, it if gate_inp is not None else None, types, quantized_activations):
+        raise ValueError("moe_token needs a float router and shared-expert gate (F32, F16, BF16) and, with "
+                         "quantized activations, integer dots for every expert projection (see has_moe_token)")
+    if quantized_activations and (tg != tu or stg != stu):
+        raise ValueError("the integer path needs gate and up of one type (they share the activations' blocks)")
+    blocks = np.array([max(1, _format(t).act_block) for t in (tg, td, stg, std)], np.int64)
+    ids = np.empty(k, np.int64)
+    weights = np.empty(k, np.float32)
+    out = np.zeros(hidden, np.float32)
+    _moe_token(int(rt), rw, int(it), gi, bool(normalize), int(tg), gate, int(tu), up, int(td), down, int(stg), sg,
+               int(stu), su, int(std), sd, x, bool(quantized_activations), blocks, ids, weights, out)
+    return out, ids, weights
