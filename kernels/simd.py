@@ -46,6 +46,8 @@ HAS_F16C = _has_f16c()
 HAS_AVX512BW = platform.machine().lower() in ("x86_64", "amd64") and bool(_host_features().get("avx512bw"))
 # AVX-512 VNNI: vpdpbusd, uint8 x int8 products summed by 4 into int32 lanes in one instruction.
 HAS_VNNI = HAS_AVX512BW and bool(_host_features().get("avx512vnni"))
+# GFNI: vgf2p8affineqb, a bit matrix per 64-bit lane applied to every byte (two nibble unpacks in one instruction).
+HAS_GFNI = HAS_AVX512BW and bool(_host_features().get("gfni"))
 
 _I8 = ir.IntType(8)
 _I32 = ir.IntType(32)
@@ -233,6 +235,21 @@ def _madd_scaled(builder, codes, x, scales):
     return _pmaddwd(builder, _pmaddubsw(builder, codes, x), scales)
 
 
+# vgf2p8affineqb matrices (result bit i = parity(matrix byte 7 - i & input byte)): a byte's low nibble, its high
+# nibble shifted down; a vector of the first in quadwords 0-3 and the second in 4-7.
+_LOW_NIBBLE, _HIGH_NIBBLE = 0x0102040800000000, 0x1020408000000000
+_NIBBLE_MATRICES = [(_LOW_NIBBLE if q < 4 else _HIGH_NIBBLE) >> 8 * j & 0xFF for q in range(8) for j in range(8)]
+
+
+def _nibbles64(builder, packed):
+    """<64 x i8> packed bytes (32 bytes, twice) -> their low nibbles then their high nibbles, one vgf2p8affineqb."""
+    v64 = ir.VectorType(_I8, 64)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v64, [v64, v64, _I8]),
+                                        "llvm.x86.vgf2p8affineqb.512")
+    matrices = _vec_const(8, [b - 256 if b > 127 else b for b in _NIBBLE_MATRICES])
+    return builder.call(fn, [packed, matrices, ir.Constant(_I8, 0)])
+
+
 def _madd_runs(builder, codes_a, codes_b, x, scales, first, run):
     """_madd_scaled of the 64 codes codes_a ++ codes_b (two <32 x u8>) with x <64 x i8>, the runs of `run`
     values taking scales[first], scales[first + 1], ... (scales: <n x i16>)."""
@@ -411,6 +428,12 @@ def _q4_k_lanes(context, builder, src_ty, src, o, xq_ty, xq, y, xs_ty, xs, g):
     total = None
     for gi in range(4):
         q = _load(context, builder, src_ty, src, _at(builder, o, 16 + 32 * gi), 32)
+        if HAS_GFNI:  # the 32 bytes twice, low nibbles from the lower 4 quadwords, high from the upper 4
+            x = _load(context, builder, xq_ty, xq, _at(builder, y, 64 * gi), 64)
+            codes = _nibbles64(builder, builder.shuffle_vector(q, q, _vec_const(32, list(range(32)) * 2)))
+            part = _madd_scaled(builder, codes, x, _shuffle(builder, sc16, [2 * gi + k // 16 for k in range(32)]))
+            total = part if total is None else builder.add(total, part)
+            continue
         low, high = builder.and_(q, _vec_const(8, [15] * 32)), builder.lshr(q, _vec_const(8, [4] * 32))
         if HAS_AVX512BW:  # sub-blocks 2 gi and 2 gi + 1 (64 contiguous activations) in one zmm
             x = _load(context, builder, xq_ty, xq, _at(builder, y, 64 * gi), 64)
