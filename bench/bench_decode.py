@@ -3,7 +3,7 @@
     python bench/bench_decode.py MODEL.gguf [--threads 2] [--decode-tokens 8] [--prompt 512] [--repeats 3]
 
 Measures, all with the same thread count:
-- read bandwidth: the faster of numpy sums over a 1 GiB array split over --threads threads and a Numba sum
+- read bandwidth: the faster of numpy sums over a 1 GiB array split over --threads threads and Numba vector loads
   (bench_kernels.ram_read_gbps; one-thread numpy sum recorded next to it), best of several passes, before
   and after the runs;
 - bytes that must be read per decoded token: every tensor a token touches (mixers, routers, norms,
@@ -40,7 +40,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def read_bandwidth(threads: int) -> dict[str, float]:
     """GB/s this machine reads from RAM (bench_kernels.ram_read_gbps, best pass) on `threads` threads and on one:
-    "parallel_gbps", the roofline's, is the faster of numpy's and the Numba sum on `threads` threads."""
+    "parallel_gbps", the roofline's, is the faster of numpy's and Numba's on `threads` threads."""
     many, one = ram_read_gbps(threads), ram_read_gbps(1)
     return {"parallel_gbps": many["best"], "numpy_gbps": many["numpy"], "numba_gbps": many["numba"],
             "numpy_1thread_gbps": one["numpy"]}

@@ -6,7 +6,7 @@ For each weight type, a matrix of --rows x --k random valid blocks small enough 
 multiplied by a vector again and again on one thread, with float32 activations (the fused float dots) and
 with int8 activations rounded as ggml rounds them (the integer dots where the type has them). Reported: ns
 per weight and the weight bytes per second one core consumes, next to one core's read bandwidth from RAM
-(the faster of numpy's and a Numba sum over 1 GiB, best of 5 passes). Where a kernel's in-cache rate is
+(the faster of numpy's sum and Numba's vector loads over 1 GiB, best of 5 passes). Where a kernel's in-cache rate is
 below the RAM rate, decode cannot reach the memory roofline whatever the memory does: the kernel's compute
 is the bound.
 Results: bench/results/kernels.json and .md.
@@ -30,28 +30,29 @@ from synth_gguf import _quantized_pool, random_blocks
 
 from strata_async.kernels import quant
 from strata_async.kernels.quant_legacy import Q2_0
-from strata_async.kernels.simd import prefetch
+from strata_async.kernels.simd import fdot_f32_64, prefetch_l2
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TYPES = ("Q8_0", "Q4_K", "Q6_K", "Q2_K", "IQ2_XS", "Q2_0")
 
 
 @numba.njit(parallel=True, nogil=True, fastmath=True)
-def _sum_u64(a, ahead):
-    """Sum of a uint64 array in 64 parallel chunks; ahead > 0: each 4 KiB page requested `ahead` bytes early
-    (as the matrix-vector kernels request their rows)."""
+def _read_vectors(a, ahead):
+    """Every byte of a float32 array read in 64-byte vector loads (simd.fdot_f32_64 of each 4 KiB page with
+    itself: the loads, not the multiply-adds, are the work), in 64 parallel chunks; ahead > 0: each page
+    requested `ahead` bytes early into L2, as the matrix-vector kernels request their rows. (A plain Numba sum
+    of uint64 words, the earlier probe here, read 5-12 GB/s: its loop was bound by instructions, not memory.)"""
     chunks = 64
-    per = a.shape[0] // chunks
+    per = a.shape[0] // chunks // 1024 * 1024
     b = a.view(np.uint8)
-    parts = np.zeros(chunks, np.uint64)
+    parts = np.zeros(chunks, np.float32)
     for c in numba.prange(chunks):
-        s = np.uint64(0)
-        end = (c + 1) * per
-        for page in range(c * per, end, 512):  # 4 KiB of uint64
-            if ahead > 0 and 8 * page + ahead + 4096 <= 8 * end:
-                prefetch(b, 8 * page + ahead, 4096)
-            for i in range(page, min(end, page + 512)):
-                s += a[i]
+        s = np.float32(0.0)
+        for page in range(c * per, (c + 1) * per, 1024):  # 4 KiB of float32
+            if ahead > 0 and 4 * page + ahead + 4096 <= 4 * (c + 1) * per:
+                prefetch_l2(b, 4 * page + ahead, 4096)
+            v = a[page:page + 1024]
+            s += fdot_f32_64(v, v, 16)
         parts[c] = s
     return parts.sum()
 
@@ -70,12 +71,12 @@ def _best_rate(nbytes: int, read, passes: int) -> float:
 
 def ram_read_gbps(threads: int, nbytes: int = 1 << 30, passes: int = 5) -> dict[str, float]:
     """GB/s read from RAM on `threads` threads over nbytes: numpy sums of float32 parts (numpy releases the GIL),
-    and a Numba sum with and without requesting each page ahead (the hardware prefetchers stop at page
-    boundaries; the kernels prefetch). "best": the faster, so no kernel looks faster than the memory."""
+    and Numba vector loads with and without requesting each page ahead (the hardware prefetchers stop at page
+    boundaries; the kernels prefetch). "best": the faster, the roofline's bandwidth."""
     numba.set_num_threads(threads)
-    a = np.ones(nbytes // 8, np.uint64)
-    numba_gbps = max(_best_rate(a.nbytes, lambda: _sum_u64(a, ahead), passes) for ahead in (0, 8192)) / 1e9
-    parts = np.array_split(a.view(np.float32), threads)
+    a = np.ones(nbytes // 4, np.float32)
+    numba_gbps = max(_best_rate(a.nbytes, lambda: _read_vectors(a, ahead), passes) for ahead in (0, 32768)) / 1e9
+    parts = np.array_split(a, threads)
     if threads == 1:
         numpy_gbps = _best_rate(a.nbytes, lambda: np.sum(parts[0]), passes) / 1e9
     else:
