@@ -151,10 +151,13 @@ Projection = tuple[np.ndarray, int]  # a weight tensor's rows (uint8, ggml block
 
 def has_moe_token(router_type: int, gate_inp_type: int | None, types: tuple[int, ...], quantized: bool) -> bool:
     """Whether moe_token computes a block with this router and gate types and these expert projection types
-    (quantized: the integer path, which needs integer dots for every projection)."""
+    ((gate, up, down) of the routed experts, then of the shared expert if any). quantized: the integer path,
+    which needs integer dots for every projection and gate and up of one type (they share the activations'
+    int8 blocks)."""
     if router_type not in FLOAT_TYPES or (gate_inp_type is not None and gate_inp_type not in FLOAT_TYPES):
         return False
-    return not quantized or all(has_int_dot(t) for t in types)
+    return not quantized or (all(has_int_dot(t) for t in types)
+                             and all(types[i] == types[i + 1] for i in range(0, len(types), 3)))
 
 
 def moe_token(x: np.ndarray, router: Projection, k: int, normalize: bool, experts: tuple[Projection, ...],
@@ -203,9 +206,8 @@ def moe_token(x: np.ndarray, router: Projection, k: int, normalize: bool, expert
     types = (tg, tu, td) + ((stg, stu, std) if shared is not None else ())
     if not has_moe_token(rt, it if gate_inp is not None else None, types, quantized_activations):
         raise ValueError("moe_token needs a float router and shared-expert gate (F32, F16, BF16) and, with "
-                         "quantized activations, integer dots for every expert projection (see has_moe_token)")
-    if quantized_activations and (tg != tu or stg != stu):
-        raise ValueError("the integer path needs gate and up of one type (they share the activations' blocks)")
+                         "quantized activations, integer dots for every expert projection and gate and up of one "
+                         "type (see has_moe_token)")
     blocks = np.array([max(1, _format(t).act_block) for t in (tg, td, stg, std)], np.int64)
     ids = np.empty(k, np.int64)
     weights = np.empty(k, np.float32)

@@ -103,9 +103,6 @@ class HostDevice:
         if not fused_moe.has_moe_token(router.ggml_type, gate_inp.ggml_type if gate_inp is not None else None,
                                        tuple(w.ggml_type for w in projections), self.quantized_activations):
             return None
-        if self.quantized_activations and (experts[0].ggml_type != experts[1].ggml_type
-                                           or (shared and shared[0].ggml_type != shared[1].ggml_type)):
-            return None
         pairs = [(w.data, w.ggml_type) for w in projections]
         return fused_moe.moe_token(x, (router.data, router.ggml_type), k, normalize, tuple(pairs[:3]),
                                    tuple(pairs[3:]) if shared else None,

@@ -11,7 +11,7 @@ from strata_async.kernels.activations import sigmoid
 from strata_async.kernels.expert_pool import swiglu_experts
 from strata_async.kernels.moe_token import has_moe_token, moe_token
 from strata_async.kernels.routing import softmax_topk
-from test_kernels_expert_pool import TOL, _rounded_expert_ref, dequant64, random_rows, swiglu_ref
+from test_kernels_expert_pool import _rounded_expert_ref, dequant64, random_rows, swiglu_ref
 
 Q = gguf.GGMLQuantizationType
 
@@ -32,7 +32,8 @@ def _block(rng, types, n_experts, ffn, hidden, sffn, router_dtype=np.float32):
     tg, tu, td = types
     experts = [np.stack([random_rows(rng, t, rows, k) for _ in range(n_experts)])
                for t, rows, k in ((tg, ffn, hidden), (tu, ffn, hidden), (td, hidden, ffn))]
-    shared = [random_rows(rng, t, rows, k) for t, rows, k in ((tg, sffn, hidden), (tu, sffn, hidden), (td, hidden, sffn))]
+    shared = [random_rows(rng, t, rows, k)
+              for t, rows, k in ((tg, sffn, hidden), (tu, sffn, hidden), (td, hidden, sffn))]
     g64 = [dequant64(m, tg) for m in experts[0]] + [dequant64(shared[0], tg)]
     u64 = [dequant64(m, tu) for m in experts[1]] + [dequant64(shared[1], tu)]
     x = rng.standard_normal(hidden)
@@ -127,6 +128,9 @@ def test_moe_token_types_and_errors(rng):
     assert not has_moe_token(int(Q.F32), int(Q.Q8_0), (int(Q.Q4_K),) * 3, False)
     assert not has_moe_token(int(Q.F32), None, (int(Q.Q4_0),) * 3, True)  # no integer dot for Q4_0
     assert has_moe_token(int(Q.F32), None, (int(Q.Q4_0),) * 3, False)
+    assert not has_moe_token(int(Q.F32), None, (int(Q.Q4_K), int(Q.Q6_K), int(Q.Q6_K)), True)  # gate != up
+    assert has_moe_token(int(Q.F32), None, (int(Q.Q4_K), int(Q.Q6_K), int(Q.Q6_K)), False)
+    assert not has_moe_token(int(Q.F32), None, (int(Q.Q4_K),) * 3 + (int(Q.Q8_0), int(Q.Q4_K), int(Q.Q4_K)), True)
     types = (Q.Q8_0, Q.Q8_0, Q.Q8_0)
     experts, _, x = _block(rng, types, 4, 256, 256, 256)
     router = rng.standard_normal((4, 256)).astype(np.float32).view(np.uint8)
