@@ -154,7 +154,10 @@ def _decoded_rows(t, w, r0, r1, x, scratch, out, o0):
         out[o0 + r - r0] = _dot(scratch, x)
 
 
-@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+# float_dots and int_dots are called, not inlined: every type's dot is compiled once a process rather than once per
+# call site (six in the fused MoE kernel alone, whose compile took 2.5 of a first run's 4 minutes); a call per
+# task of ROW_TASK rows costs nothing measurable (the fused MoE block within +-3%, alternating runs).
+@numba.njit(nogil=True, fastmath=_FASTMATH)
 def float_dots(t, w, r0, r1, x, xsum32, scratch, out, o0):
     """out[o0 + r - r0] = row r of w times float32 x for r0 <= r < r1, each row's lines requested PREFETCH_BYTES
     ahead: fused block dots where the type has them (xsum32: x's per-32 sums, from block_sums32), else each row
@@ -241,7 +244,7 @@ def _int_rows(dot, w, r0, r1, xq, xd, xs16, out, o0):
         out[o0 + r - r0] = dot(w[r], xq, xd, xs16)
 
 
-@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+@numba.njit(nogil=True, fastmath=_FASTMATH)
 def int_dots(t, w, r0, r1, xq, xd, xs16, out, o0):
     """out[o0 + r - r0] = row r of w (a has_int_dot type) times quantized activations (xq codes, xd block scales,
     xs16 the codes' 16-sums) for r0 <= r < r1, each row's lines requested PREFETCH_BYTES ahead; the type's branch
