@@ -13,8 +13,7 @@ and tests compare these dots with float64 dot products of their output.
 import numba
 import numpy as np
 
-from .ggml_blocks import f16
-from .simd import fdot_q4_k_block, fdot_q6_half, fdot_s8_32
+from .simd import fdot_q4_k_row, fdot_q6_k_row, fdot_q8_0_row
 
 _FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 
@@ -32,32 +31,18 @@ def block_sums32(x, out):
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def dot_q8_0(src, x, xsum32):
     """sum_i w_i x_i for one Q8_0 row (blocks: fp16 d, 32 int8)."""
-    acc = np.float32(0.0)
-    for b in range(x.shape[0] // 32):
-        o = b * 34
-        acc += f16(src, o) * fdot_s8_32(src, o + 2, x, 32 * b)
-    return acc
+    return fdot_q8_0_row(src, x, x.shape[0] // 32)
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def dot_q4_k(src, x, xsum32):
-    """One Q4_K row: per 32-weight sub-block, d*sc * sum(q x) - dmin*m * sum(x), a block per vector call."""
-    acc = np.float32(0.0)
-    for b in range(x.shape[0] // 256):
-        o = b * 144
-        acc += fdot_q4_k_block(src, o, x, 256 * b, xsum32, 8 * b, f16(src, o), f16(src, o + 2))
-    return acc
+    """One Q4_K row: per 32-weight sub-block, d*sc * sum(q x) - dmin*m * sum(x)."""
+    return fdot_q4_k_row(src, x, xsum32, x.shape[0] // 256)
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def dot_q6_k(src, x, xsum32):
     """One Q6_K row: 16-weight runs with int8 scales, values (6-bit code - 32)."""
-    acc = np.float32(0.0)
-    for b in range(x.shape[0] // 256):
-        o = b * 210
-        blk = np.float32(0.0)
-        for half in range(2):
-            blk += fdot_q6_half(src, o + 64 * half, o + 128 + 32 * half, o + 192 + 8 * half,
-                                x, 256 * b + 128 * half)
-        acc += f16(src, o + 208) * blk
-    return acc
+    return fdot_q6_k_row(src, x, x.shape[0] // 256)
+
+

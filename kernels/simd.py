@@ -128,9 +128,10 @@ def idot_s8_32(typingctx, a, ao, x, xo):
 
 
 def _float_lanes_row(context, builder, n, terms):
-    """sum over b < n of each (int32 lanes <16 x i32>, float32 scale) in terms(b): the lanes converted and
-    multiply-added with their scale (a scalar, or <16 x float> lane by lane) into float lanes, reduced once at
-    the end. The row dots below run a whole row this way: a reduction per block had cost 30-45% of them."""
+    """sum over b < n of each (lanes <16 x i32> or <16 x float>, float32 scale) in terms(b): the lanes converted
+    (if integer) and multiply-added with their scale (a scalar, or <16 x float> lane by lane) into float lanes,
+    reduced once at the end. The row dots below run a whole row this way: a reduction per block had cost 30-45%
+    of the integer ones, and the float dots (fdot_*_row) had reduced each block or half-block too."""
     f32 = ir.FloatType()
     v16f = ir.VectorType(f32, 16)
     fl = ("reassoc", "nsz", "contract")
@@ -139,7 +140,8 @@ def _float_lanes_row(context, builder, n, terms):
         a = builder.load(acc)
         for lanes, scale in terms(loop.index):
             s = scale if isinstance(scale.type, ir.VectorType) else _splat_f(builder, scale, 16)
-            a = builder.fadd(a, builder.fmul(builder.sitofp(lanes, v16f), s, flags=fl), flags=fl)
+            v = lanes if isinstance(lanes.type.element, ir.FloatType) else builder.sitofp(lanes, v16f)
+            a = builder.fadd(a, builder.fmul(v, s, flags=fl), flags=fl)
         builder.store(a, acc)
     return _reduce_fadd(builder, builder.load(acc), 16)
 
@@ -385,37 +387,48 @@ def _q4_k_scales_mins(context, builder, src_ty, src, o):
 
 
 @intrinsic
-def fdot_q4_k_block(typingctx, src, o, x, y, xsum32, sb, d, dmin):
-    """One Q4_K block (144 bytes at src[o], its fp16 d and dmin given as floats) times float32 x[y:y + 256]
-    with their 32-sums at xsum32[sb:]: d * sum_j sc_j (q_j . x_j) - dmin * sum_j m_j sum(x_j), the eight
-    sub-block products scaled in float lanes and reduced once (the float-activation path)."""
+def fdot_q4_k_row(typingctx, src, x, xsum32, blocks):
+    """sum over the first `blocks` Q4_K blocks of a row times float32 x (xsum32: its 32-sums) of d * sum_j sc_j
+    (q_j . x_j) - dmin * sum_j m_j sum(x_j): each sub-block's code products summed in float lanes and scaled
+    once by d sc_j (not value by value), the mins against the 32-sums; lanes kept across blocks and reduced
+    once (_float_lanes_row). Codes come from 16 bytes at a time zero-extended to 32-bit lanes, where the low
+    and high nibbles (sub-blocks 2 g and 2 g + 1) are an AND and a shift apart."""
     if not (_byte_array(src) and _float_array(x) and _float_array(xsum32)):
         return None
 
     def codegen(context, builder, sig, args):
-        src_ty, src_v, o_v, x_ty, x_v, y_v, xs_ty, xs_v, sb_v, d, dmin = (
-            sig.args[0], args[0], args[1], sig.args[2], args[2], args[3], sig.args[4], args[4], args[5], args[6],
-            args[7])
+        src_ty, src_v, x_ty, x_v, xs_ty, xs_v = sig.args[0], args[0], sig.args[1], args[1], sig.args[2], args[2]
         f32 = ir.FloatType()
-        vf = ir.VectorType(f32, 32)
-        fl = ("reassoc", "nsz", "contract")
-        sc, mn = _q4_k_scales_mins(context, builder, src_ty, src_v, o_v)
-        scf = builder.uitofp(sc, ir.VectorType(f32, 8))
-        total = None
-        for gi in range(4):
-            q = _load(context, builder, src_ty, src_v, _at(builder, o_v, 16 + 32 * gi), 32)
-            for half, codes in enumerate((builder.and_(q, _vec_const(8, [15] * 32)),
-                                          builder.lshr(q, _vec_const(8, [4] * 32)))):
-                j = 2 * gi + half
-                xv = _load_vec(context, builder, x_ty, x_v, _at(builder, y_v, 32 * j), f32, 32)
-                scale = builder.shuffle_vector(scf, scf, _vec_const(32, [j] * 32))
-                part = builder.fmul(builder.fmul(builder.uitofp(codes, vf), xv, flags=fl), scale, flags=fl)
-                total = part if total is None else builder.fadd(total, part, flags=fl)
-        sums = _load_vec(context, builder, xs_ty, xs_v, sb_v, f32, 8)
-        mins = builder.fmul(builder.uitofp(mn, ir.VectorType(f32, 8)), sums, flags=fl)
-        return builder.fsub(builder.fmul(d, _reduce_fadd(builder, total, 32), flags=fl),
-                            builder.fmul(dmin, _reduce_fadd(builder, mins, 8), flags=fl), flags=fl)
-    return types.float32(src, o, x, y, xsum32, sb, types.float32, types.float32), codegen
+        v16i, v16f, v8f = ir.VectorType(_I32, 16), ir.VectorType(f32, 16), ir.VectorType(f32, 8)
+
+        def terms(b):
+            o = builder.mul(b, ir.Constant(b.type, 144))
+            y = builder.mul(b, ir.Constant(b.type, 256))
+            sc, mn = _q4_k_scales_mins(context, builder, src_ty, src_v, o)
+            d = _half_at(context, builder, src_ty, src_v, o)
+            dmin = _half_at(context, builder, src_ty, src_v, _at(builder, o, 2))
+            dsc = builder.fmul(builder.uitofp(sc, v8f), _splat_f(builder, d, 8), flags=_FL)
+            sums = [None] * 8
+            for g in range(4):
+                for k in range(2):
+                    raw = builder.zext(_load(context, builder, src_ty, src_v, _at(builder, o, 16 + 32 * g + 16 * k),
+                                             16), v16i)
+                    for half, codes in enumerate((builder.and_(raw, _vec_const(32, [15] * 16)),
+                                                  builder.lshr(raw, _vec_const(32, [4] * 16)))):
+                        j = 2 * g + half
+                        xv = _load_vec(context, builder, x_ty, x_v, _at(builder, y, 32 * j + 16 * k), f32, 16)
+                        part = builder.fmul(builder.sitofp(codes, v16f), xv, flags=_FL)
+                        sums[j] = part if sums[j] is None else builder.fadd(sums[j], part, flags=_FL)
+            lanes = None
+            for j in range(8):
+                part = builder.fmul(sums[j], _shuffle(builder, dsc, [j] * 16), flags=_FL)
+                lanes = part if lanes is None else builder.fadd(lanes, part, flags=_FL)
+            xs = _load_vec(context, builder, xs_ty, xs_v, builder.mul(b, ir.Constant(b.type, 8)), f32, 8)
+            mins = builder.fmul(builder.uitofp(mn, v8f), xs, flags=_FL)
+            mins16 = builder.shuffle_vector(mins, ir.Constant(v8f, [0.0] * 8), _vec_const(32, list(range(16))))
+            return [(lanes, _splat_f(builder, ir.Constant(f32, 1.0), 16)), (mins16, builder.fneg(dmin))]
+        return _float_lanes_row(context, builder, args[3], terms)
+    return types.float32(src, x, xsum32, blocks), codegen
 
 
 def _q4_k_lanes(context, builder, src_ty, src, o, xq_ty, xq, y, xs_ty, xs, g):
@@ -741,43 +754,67 @@ def _reduce_fadd(builder, vec, n):
     return builder.call(fn, [ir.Constant(f32, 0.0), vec], fastmath=("reassoc", "nsz"))
 
 
+_FL = ("reassoc", "nsz", "contract")
+
+
+def _fold16(builder, v):
+    """The two halves of a <32 x float> added: 16 lanes (the row accumulators' width)."""
+    return builder.fadd(_shuffle(builder, v, list(range(16))), _shuffle(builder, v, list(range(16, 32))), flags=_FL)
+
+
+def _codes_times_x(context, builder, codes, x_ty, x, xo):
+    """sum of integer codes <32 x iN> (signed) times float32 x[xo:xo + 32], folded to <16 x float>."""
+    xv = _load_vec(context, builder, x_ty, x, xo, ir.FloatType(), 32)
+    return _fold16(builder, builder.fmul(builder.sitofp(codes, ir.VectorType(ir.FloatType(), 32)), xv, flags=_FL))
+
+
 @intrinsic
-def fdot_s8_32(typingctx, src, o, x, xo):
-    """sum over i < 32 of int8(src[o + i]) * x[xo + i], float32 x: the float-activation Q8_0 block dot."""
+def fdot_q8_0_row(typingctx, src, x, blocks):
+    """sum over the first `blocks` Q8_0 blocks of a row (34 bytes: fp16 d, 32 int8) of d_b * (codes_b .
+    x[32 b:32 b + 32]), float32 x: the products in float lanes, scaled by d per block, reduced once
+    (_float_lanes_row)."""
     if not (_byte_array(src) and _float_array(x)):
         return None
 
     def codegen(context, builder, sig, args):
-        vf = ir.VectorType(ir.FloatType(), 32)
-        w = builder.sitofp(_load(context, builder, sig.args[0], args[0], args[1], 32), vf)
-        xv = _load_vec(context, builder, sig.args[2], args[2], args[3], ir.FloatType(), 32)
-        return _reduce_fadd(builder, builder.fmul(w, xv, flags=("reassoc", "nsz", "contract")), 32)
-    return types.float32(src, o, x, xo), codegen
+        src_ty, src_v, x_ty, x_v = sig.args[0], args[0], sig.args[1], args[1]
+
+        def terms(b):
+            o = builder.mul(b, ir.Constant(b.type, 34))
+            codes = _load(context, builder, src_ty, src_v, _at(builder, o, 2), 32)
+            lanes = _codes_times_x(context, builder, codes, x_ty, x_v, builder.mul(b, ir.Constant(b.type, 32)))
+            return [(lanes, _half_at(context, builder, src_ty, src_v, o))]
+        return _float_lanes_row(context, builder, args[2], terms)
+    return types.float32(src, x, blocks), codegen
 
 
 @intrinsic
-def fdot_q6_half(typingctx, src, ql, qh, sc, x, xo):
-    """idot_q6_half with float32 activations: sum_k scale[k] sum_i (code_i - 32) x_i over the 128 values. Each
-    code times its run's scale is an exact int16 product (|code - 32| <= 32, |scale| <= 128), converted once and
-    multiply-added with x: one integer multiply, one conversion and one FMA per value, not two of each."""
+def fdot_q6_k_row(typingctx, src, x, blocks):
+    """sum over the first `blocks` Q6_K blocks of a row of d_b * sum_k scale[k] sum_i (code_i - 32) x_i, float32
+    x. Each code times its run's scale is an exact int16 product (|code - 32| <= 32, |scale| <= 128), converted
+    once and multiplied with x in float lanes; d per block (_float_lanes_row)."""
     if not (_byte_array(src) and _float_array(x)):
         return None
 
     def codegen(context, builder, sig, args):
-        f32 = ir.FloatType()
-        vf, v16 = ir.VectorType(f32, 32), ir.VectorType(ir.IntType(16), 32)
-        fl = ("reassoc", "nsz", "contract")
-        codes, scales = _q6_half_codes(context, builder, sig.args[0], args[0], args[1], args[2], args[3])
-        total = None
-        for k in range(4):
-            runs = _vec_const(32, [2 * k] * 16 + [2 * k + 1] * 16)
-            scaled = builder.mul(builder.sext(codes[k], v16), builder.shuffle_vector(scales, scales, runs))
-            xo = _at(builder, args[5], 32 * k)
-            xv = _load_vec(context, builder, sig.args[4], args[4], xo, f32, 32)
-            part = builder.fmul(builder.sitofp(scaled, vf), xv, flags=fl)
-            total = part if total is None else builder.fadd(total, part, flags=fl)
-        return _reduce_fadd(builder, total, 32)
-    return types.float32(src, ql, qh, sc, x, xo), codegen
+        src_ty, src_v, x_ty, x_v = sig.args[0], args[0], sig.args[1], args[1]
+        v16 = ir.VectorType(ir.IntType(16), 32)
+
+        def terms(b):
+            o = builder.mul(b, ir.Constant(b.type, 210))
+            y = builder.mul(b, ir.Constant(b.type, 256))
+            lanes = None
+            for half in range(2):
+                codes, scales = _q6_half_codes(context, builder, src_ty, src_v, _at(builder, o, 64 * half),
+                                               _at(builder, o, 128 + 32 * half), _at(builder, o, 192 + 8 * half))
+                for k in range(4):
+                    runs = _vec_const(32, [2 * k] * 16 + [2 * k + 1] * 16)
+                    scaled = builder.mul(builder.sext(codes[k], v16), builder.shuffle_vector(scales, scales, runs))
+                    part = _codes_times_x(context, builder, scaled, x_ty, x_v, _at(builder, y, 128 * half + 32 * k))
+                    lanes = part if lanes is None else builder.fadd(lanes, part, flags=_FL)
+            return [(lanes, _half_at(context, builder, src_ty, src_v, _at(builder, o, 208)))]
+        return _float_lanes_row(context, builder, args[2], terms)
+    return types.float32(src, x, blocks), codegen
 
 
 # Decoders into float32 rows (prefill tiles, scratch rows). Same operations in the same order as ggml's
