@@ -14,7 +14,7 @@ from gguf import quants as gguf_quants
 
 from .ggml_blocks import f16, half_to_float, u16, u32
 from .quant import register_type
-from .simd import HAS_AVX512BW, HAS_F16C, dequant_iq2_xs_block, fdot_iq2_xs_block, fdot_iq2_xs_blocks, idot_iq2_xs_block
+from .simd import HAS_AVX512BW, HAS_F16C, dequant_iq2_xs_block, fdot_iq2_xs_row, fdot_iq2_xs_blocks, idot_iq2_xs_block
 
 IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M = 16, 17, 18, 19, 21, 22, 29
 _QK = 256
@@ -207,11 +207,7 @@ register_type(IQ1_M, "IQ1_M", _QK, 56, act_block=_Q8_K)
 def dot_iq2_xs(src, x, xsum32):
     """One IQ2_XS row times float32 x, straight from the blocks: per 256 d / 8 * sum (2 s + 1) value x (the
     decoded row and a float dot had cost 0.27-0.37 ns per weight)."""
-    acc = np.float32(0.0)
-    for b in range(x.shape[0] // _QK):
-        o = b * 74
-        acc += f16(src, o) * fdot_iq2_xs_block(_IQ2XS_GRID64, src, o, x, b * _QK)
-    return acc * np.float32(0.125)
+    return fdot_iq2_xs_row(_IQ2XS_GRID64, src, x, x.shape[0] // _QK)
 
 
 @numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})

@@ -11,7 +11,7 @@ import numpy as np
 
 from .ggml_blocks import f16
 from .quant import register_type
-from .simd import dequant_nibbles_32, dequant_q2_32, dequant_q6_half, fdot_q2_k_block
+from .simd import dequant_nibbles_32, dequant_q2_32, dequant_q6_half, fdot_q2_k_row
 
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
 _QK_K = 256  # weights per super-block
@@ -84,12 +84,8 @@ def dequant_q2_k(src, dst):
 
 @numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
 def dot_q2_k(src, x, xsum32):
-    """One Q2_K row times float32 x, straight from the blocks (simd.fdot_q2_k_block)."""
-    acc = np.float32(0.0)
-    for b in range(x.shape[0] // _QK_K):
-        o = b * _Q2_BYTES
-        acc += fdot_q2_k_block(src, o, x, b * _QK_K, f16(src, o + 80), f16(src, o + 82))
-    return acc
+    """One Q2_K row times float32 x, straight from the blocks (simd.fdot_q2_k_row)."""
+    return fdot_q2_k_row(src, x, x.shape[0] // _QK_K)
 
 
 @numba.njit(inline="always", nogil=True)

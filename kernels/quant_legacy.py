@@ -19,7 +19,7 @@ import numpy as np
 
 from .ggml_blocks import f16, round_to_half, u32
 from .quant import register_type
-from .simd import fdot_q2_0_block
+from .simd import fdot_q2_0_row
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q2_0 = 2, 3, 6, 7, 42
 
@@ -99,11 +99,7 @@ def dequant_q2_0(src, dst):
 @numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
 def dot_q2_0(src, x, xsum32):
     """One Q2_0 row times float32 x, straight from the blocks: per block d * sum (code - 1) x."""
-    acc = np.float32(0.0)
-    for b in range(x.shape[0] // _QK2):
-        o = b * _Q2_0_BYTES
-        acc += f16(src, o) * fdot_q2_0_block(src, o, x, b * _QK2)
-    return acc
+    return fdot_q2_0_row(src, x, x.shape[0] // _QK2)
 
 
 # Q2_0 quantizer: ggml's own rule (d = amax, codes = round(x / d) + 1) leaves most weights at zero,

@@ -720,30 +720,37 @@ def fdot_iq2_xs_blocks(typingctx, grid, src, x, xd, blocks):
 
 
 @intrinsic
-def fdot_iq2_xs_block(typingctx, grid, src, o, x, xo):
-    """idot_iq2_xs_block with float32 activations: sum over the block's 256 values of (2 s + 1) * signed grid
-    value * x[xo + i]. The grid points come by a load each, the signs from the code bits; value times run scale is an
-    exact int16 product (|value| <= 43, 2 s + 1 <= 31), converted once and multiply-added with x."""
+def fdot_iq2_xs_row(typingctx, grid, src, x, blocks):
+    """sum over the first `blocks` IQ2_XS blocks (74 bytes) of a row times float32 x of d / 8 * sum over the
+    block's 256 values of (2 s + 1) * signed grid value * x. The grid points come by a load each, the signs from
+    the code bits; value times run scale is an exact int16 product (|value| <= 43, 2 s + 1 <= 31), converted once
+    and multiplied with x in float lanes kept across the row (_float_lanes_row)."""
     if not (_u64_table(grid) and _byte_array(src) and _float_array(x)):
         return None
 
     def codegen(context, builder, sig, args):
-        grid_ty, grid_v, src_ty, src_v, o_v, x_ty, x_v, xo_v = (
-            sig.args[0], args[0], sig.args[1], args[1], args[2], sig.args[3], args[3], args[4])
+        grid_ty, grid_v, src_ty, src_v, x_ty, x_v = sig.args[0], args[0], sig.args[1], args[1], sig.args[2], args[2]
         f32, i16 = ir.FloatType(), ir.IntType(16)
-        fl = ("reassoc", "nsz", "contract")
-        total = None
-        block = _iq2_xs_block(context, builder, grid_ty, grid_v, src_ty, src_v, o_v)
-        for step in range(4):  # 64 values: eight groups, four scale nibbles
-            g8, m8, nib = block(step)
-            values = builder.sext(_negate_where(builder, g8, m8), ir.VectorType(i16, 64))
-            sc4 = _odd_scales(builder, nib)
-            scaled = builder.mul(values, _shuffle(builder, sc4, [k // 16 for k in range(64)]))
-            xv = _load_vec(context, builder, x_ty, x_v, _at(builder, xo_v, 64 * step), f32, 64)
-            part = builder.fmul(builder.sitofp(scaled, ir.VectorType(f32, 64)), xv, flags=fl)
-            total = part if total is None else builder.fadd(total, part, flags=fl)
-        return _reduce_fadd(builder, total, 64)
-    return types.float32(grid, src, o, x, xo), codegen
+
+        def terms(b):
+            o = builder.mul(b, ir.Constant(b.type, 74))
+            y = builder.mul(b, ir.Constant(b.type, 256))
+            total = None
+            block = _iq2_xs_block(context, builder, grid_ty, grid_v, src_ty, src_v, o)
+            for step in range(4):  # 64 values: eight groups, four scale nibbles
+                g8, m8, nib = block(step)
+                values = builder.sext(_negate_where(builder, g8, m8), ir.VectorType(i16, 64))
+                sc4 = _odd_scales(builder, nib)
+                scaled = builder.mul(values, _shuffle(builder, sc4, [k // 16 for k in range(64)]))
+                xv = _load_vec(context, builder, x_ty, x_v, _at(builder, y, 64 * step), f32, 64)
+                part = builder.fmul(builder.sitofp(scaled, ir.VectorType(f32, 64)), xv, flags=_FL)
+                total = part if total is None else builder.fadd(total, part, flags=_FL)
+            lanes = _fold16(builder, builder.fadd(_shuffle(builder, total, list(range(32))),
+                                                  _shuffle(builder, total, list(range(32, 64))), flags=_FL))
+            d8 = builder.fmul(_half_at(context, builder, src_ty, src_v, o), ir.Constant(f32, 0.125))
+            return [(lanes, d8)]
+        return _float_lanes_row(context, builder, args[3], terms)
+    return types.float32(grid, src, x, blocks), codegen
 
 
 def _reduce_fadd(builder, vec, n):
@@ -1072,58 +1079,72 @@ def dequant_q2_32(typingctx, src, qs, shift, dl0, ml0, dl1, ml1, dst, y):
 
 
 @intrinsic
-def fdot_q2_k_block(typingctx, src, o, x, y, d, dmin):
-    """One Q2_K block (84 bytes at src[o], its fp16 d and dmin given as floats) times float32 x[y:y+256]: per run
-    of 16 the weights (d * (sc & 15)) * code - dmin * (sc >> 4) are formed in vector lanes and multiply-added with
-    x, one reduction at the end (decoding the row first and dotting it had cost 0.26-0.32 ns per weight)."""
+def fdot_q2_k_row(typingctx, src, x, blocks):
+    """sum over the first `blocks` Q2_K blocks (84 bytes) of a row times float32 x: per run of 16 the weights
+    (d * (sc & 15)) * code - dmin * (sc >> 4) formed in vector lanes and multiply-added with x, float lanes kept
+    across the row (_float_lanes_row; decoding the row first and dotting it had cost 0.26-0.32 ns per weight)."""
     if not (_byte_array(src) and _float_array(x)):
         return None
 
     def codegen(context, builder, sig, args):
-        src_ty, src_v, o_v, x_ty, x_v, y_v, d_v, dmin_v = (sig.args[0], args[0], args[1], sig.args[2], args[2],
-                                                           args[3], args[4], args[5])
+        src_ty, src_v, x_ty, x_v = sig.args[0], args[0], sig.args[1], args[1]
         f32 = ir.FloatType()
         v16f, v32f = ir.VectorType(f32, 16), ir.VectorType(f32, 32)
-        fl = ("reassoc", "nsz", "contract")
-        sc = _load(context, builder, src_ty, src_v, o_v, 16)  # one (scale, min) byte per run of 16
-        dl = builder.fmul(_splat_f(builder, d_v, 16), builder.uitofp(builder.and_(sc, _vec_const(8, [15] * 16)), v16f))
-        ml = builder.fmul(_splat_f(builder, dmin_v, 16), builder.uitofp(builder.lshr(sc, _vec_const(8, [4] * 16)),
+
+        def terms(b):
+            o = builder.mul(b, ir.Constant(b.type, 84))
+            y = builder.mul(b, ir.Constant(b.type, 256))
+            d, dmin = _half_at(context, builder, src_ty, src_v, _at(builder, o, 80)), \
+                _half_at(context, builder, src_ty, src_v, _at(builder, o, 82))
+            sc = _load(context, builder, src_ty, src_v, o, 16)  # one (scale, min) byte per run of 16
+            dl = builder.fmul(_splat_f(builder, d, 16), builder.uitofp(builder.and_(sc, _vec_const(8, [15] * 16)),
+                                                                       v16f))
+            ml = builder.fmul(_splat_f(builder, dmin, 16), builder.uitofp(builder.lshr(sc, _vec_const(8, [4] * 16)),
                                                                           v16f))
-        total = None
-        for half in range(2):  # bits 2j..2j+1 of qs byte l (of 32) give weight 128 half + 32 j + l
-            q = _load(context, builder, src_ty, src_v, _at(builder, o_v, 16 + 32 * half), 32)
-            for j in range(4):
-                codes = builder.uitofp(builder.and_(builder.lshr(q, _vec_const(8, [2 * j] * 32)),
-                                                    _vec_const(8, [3] * 32)), v32f)
-                run = 8 * half + 2 * j
-                lanes = [run] * 16 + [run + 1] * 16
-                w = builder.fsub(builder.fmul(_shuffle(builder, dl, lanes), codes, flags=fl),
-                                 _shuffle(builder, ml, lanes), flags=fl)
-                xv = _load_vec(context, builder, x_ty, x_v, _at(builder, y_v, 128 * half + 32 * j), f32, 32)
-                part = builder.fmul(w, xv, flags=fl)
-                total = part if total is None else builder.fadd(total, part, flags=fl)
-        return _reduce_fadd(builder, total, 32)
-    return types.float32(src, o, x, y, types.float32, types.float32), codegen
+            total = None
+            for half in range(2):  # bits 2j..2j+1 of qs byte l (of 32) give weight 128 half + 32 j + l
+                q = _load(context, builder, src_ty, src_v, _at(builder, o, 16 + 32 * half), 32)
+                for j in range(4):
+                    codes = builder.uitofp(builder.and_(builder.lshr(q, _vec_const(8, [2 * j] * 32)),
+                                                        _vec_const(8, [3] * 32)), v32f)
+                    run = 8 * half + 2 * j
+                    lanes = [run] * 16 + [run + 1] * 16
+                    w = builder.fsub(builder.fmul(_shuffle(builder, dl, lanes), codes, flags=_FL),
+                                     _shuffle(builder, ml, lanes), flags=_FL)
+                    xv = _load_vec(context, builder, x_ty, x_v, _at(builder, y, 128 * half + 32 * j), f32, 32)
+                    part = builder.fmul(w, xv, flags=_FL)
+                    total = part if total is None else builder.fadd(total, part, flags=_FL)
+            return [(_fold16(builder, total), ir.Constant(f32, 1.0))]
+        return _float_lanes_row(context, builder, args[2], terms)
+    return types.float32(src, x, blocks), codegen
 
 
 @intrinsic
-def fdot_q2_0_block(typingctx, src, o, x, y):
-    """sum over the 64 values of the Q2_0 block at src[o] (fp16 d, then 16 bytes of 2-bit codes, value j from bits
-    2 (j % 4) of byte j // 4) of (code - 1) * x[y + j]; the caller multiplies by d. Codes spread to 64 lanes by
-    one shuffle and a shift per lane (the scalar decode-then-dot had cost 0.25-0.31 ns per weight)."""
+def fdot_q2_0_row(typingctx, src, x, blocks):
+    """sum over the first `blocks` Q2_0 blocks of a row (18 bytes: fp16 d, then 16 bytes of 2-bit codes, value j
+    from bits 2 (j % 4) of byte j // 4) of d * sum (code - 1) * x[64 b + j]: codes spread to 64 lanes by one
+    shuffle and a shift per lane, float lanes kept across the row (_float_lanes_row)."""
     if not (_byte_array(src) and _float_array(x)):
         return None
 
     def codegen(context, builder, sig, args):
+        src_ty, src_v, x_ty, x_v = sig.args[0], args[0], sig.args[1], args[1]
         f32 = ir.FloatType()
-        q = _load(context, builder, sig.args[0], args[0], _at(builder, args[1], 2), 16)
-        spread = builder.shuffle_vector(q, q, _vec_const(32, [j // 4 for j in range(64)]))
-        codes = builder.and_(builder.lshr(spread, _vec_const(8, [2 * (j % 4) for j in range(64)])),
-                             _vec_const(8, [3] * 64))
-        values = builder.sitofp(builder.sub(codes, _vec_const(8, [1] * 64)), ir.VectorType(f32, 64))
-        xv = _load_vec(context, builder, sig.args[2], args[2], args[3], f32, 64)
-        return _reduce_fadd(builder, builder.fmul(values, xv, flags=("reassoc", "nsz", "contract")), 64)
-    return types.float32(src, o, x, y), codegen
+
+        def terms(b):
+            o = builder.mul(b, ir.Constant(b.type, 18))
+            q = _load(context, builder, src_ty, src_v, _at(builder, o, 2), 16)
+            spread = builder.shuffle_vector(q, q, _vec_const(32, [j // 4 for j in range(64)]))
+            codes = builder.and_(builder.lshr(spread, _vec_const(8, [2 * (j % 4) for j in range(64)])),
+                                 _vec_const(8, [3] * 64))
+            values = builder.sitofp(builder.sub(codes, _vec_const(8, [1] * 64)), ir.VectorType(f32, 64))
+            xv = _load_vec(context, builder, x_ty, x_v, builder.mul(b, ir.Constant(b.type, 64)), f32, 64)
+            p = builder.fmul(values, xv, flags=_FL)
+            lanes = _fold16(builder, builder.fadd(_shuffle(builder, p, list(range(32))),
+                                                  _shuffle(builder, p, list(range(32, 64))), flags=_FL))
+            return [(lanes, _half_at(context, builder, src_ty, src_v, o))]
+        return _float_lanes_row(context, builder, args[2], terms)
+    return types.float32(src, x, blocks), codegen
 
 
 def _prefetcher(locality: int):
