@@ -23,7 +23,7 @@ from .activations import swiglu_block
 from .grouped_codes import down_codes, gate_up_codes
 from .int_matmul import TokenCodes, quantize_tokens, use_codes
 from .quant import _check_weights, _format, activation_block, quantize_activations
-from .quant_dispatch import ROW_TASK, _FASTMATH, dequant_row, float_dots, has_fused_dot, has_int_dot, int_dots
+from .quant_dispatch import ROW_TASK, _FASTMATH, dequant_row, float_dots_call, has_fused_dot, has_int_dot, int_dots_call
 from .quant_dot import block_sums32
 from .quant_int import quantize_q8_sums
 from .small_matmul import matmul_nt_regs
@@ -68,8 +68,8 @@ def gate_up_float(tg, gate, tu, up, r0, r1, x, xsum32, scratch, h, u, weight):
     """h[r] = weight * silu(gate row r . x) * (up row r . x) for r0 <= r < r1 of one expert (float dots; u: the
     task's scratch for its up products, scratch: a row to decode into where a type has no fused dot). The
     weight goes in here: down is linear."""
-    float_dots(tg, gate, r0, r1, x, xsum32, scratch, h, r0)
-    float_dots(tu, up, r0, r1, x, xsum32, scratch, u, 0)
+    float_dots_call(tg, gate, r0, r1, x, xsum32, scratch, h, r0)
+    float_dots_call(tu, up, r0, r1, x, xsum32, scratch, u, 0)
     for r in range(r0, r1):
         g = h[r]
         h[r] = g / (np.float32(1.0) + np.exp(-g)) * u[r - r0] * weight
@@ -79,8 +79,8 @@ def gate_up_float(tg, gate, tu, up, r0, r1, x, xsum32, scratch, h, u, weight):
 def gate_up_int(tg, gate, tu, up, r0, r1, xq, xd, xs, h, u):
     """h[r] = silu(gate row r . x) * (up row r . x) for r0 <= r < r1 of one expert, x given as ggml's int8
     blocks (integer dots); the weight comes after down, whose activations are these outputs rounded again."""
-    int_dots(tg, gate, r0, r1, xq, xd, xs, h, r0)
-    int_dots(tu, up, r0, r1, xq, xd, xs, u, 0)
+    int_dots_call(tg, gate, r0, r1, xq, xd, xs, h, r0)
+    int_dots_call(tu, up, r0, r1, xq, xd, xs, u, 0)
     for r in range(r0, r1):
         g = h[r]
         h[r] = g / (np.float32(1.0) + np.exp(-g)) * u[r - r0]
@@ -89,7 +89,7 @@ def gate_up_int(tg, gate, tu, up, r0, r1, xq, xd, xs, h, u):
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def down_int(td, down, r0, r1, hq, hd, hs, y, weight):
     """y[r] = weight * (down row r . h) for r0 <= r < r1, h given as int8 blocks."""
-    int_dots(td, down, r0, r1, hq, hd, hs, y, r0)
+    int_dots_call(td, down, r0, r1, hq, hd, hs, y, r0)
     for r in range(r0, r1):
         y[r] *= weight
 
@@ -120,7 +120,7 @@ def _swiglu_experts(tg, gate, tu, up, td, down, x, ids, weights, out):
     for task in numba.prange(k * per_expert):
         j, r0, r1 = _task_rows(task, per_expert, hidden)
         scratch = hsum32[j] if fused else np.empty(ffn, np.float32)
-        float_dots(td, down[ids[j]], r0, r1, h[j], hsum32[j], scratch, y[j], r0)
+        float_dots_call(td, down[ids[j]], r0, r1, h[j], hsum32[j], scratch, y[j], r0)
     _add_experts(y, out)
 
 

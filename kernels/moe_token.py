@@ -26,7 +26,7 @@ import numpy as np
 from .activations import _sigmoid
 from .expert_pool import _add_experts, _task_rows, down_int, gate_up_float, gate_up_int
 from .quant import _check_weights, _format
-from .quant_dispatch import ROW_TASK, _FASTMATH, float_dots, has_fused_dot, has_int_dot
+from .quant_dispatch import ROW_TASK, _FASTMATH, float_dots_call, has_fused_dot, has_int_dot
 from .quant_dot import block_sums32
 from .quant_float import BF16, F16, F32
 from .quant_int import quantize_q8_sums
@@ -60,7 +60,7 @@ def _sums32(x):
 def _float_dots(t, w, r0, r1, x, xsum32, out, o0):
     """float_dots with a decode row allocated only for types without a fused dot."""
     scratch = xsum32 if has_fused_dot(t) else np.empty(x.shape[0], np.float32)
-    float_dots(t, w, r0, r1, x, xsum32, scratch, out, o0)
+    float_dots_call(t, w, r0, r1, x, xsum32, scratch, out, o0)
 
 
 @numba.njit(inline="always", nogil=True)

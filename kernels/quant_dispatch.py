@@ -154,10 +154,7 @@ def _decoded_rows(t, w, r0, r1, x, scratch, out, o0):
         out[o0 + r - r0] = _dot(scratch, x)
 
 
-# float_dots and int_dots are called, not inlined: every type's dot is compiled once a process rather than once per
-# call site (six in the fused MoE kernel alone, whose compile took 2.5 of a first run's 4 minutes); a call per
-# task of ROW_TASK rows costs nothing measurable (the fused MoE block within +-3%, alternating runs).
-@numba.njit(nogil=True, fastmath=_FASTMATH)
+@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def float_dots(t, w, r0, r1, x, xsum32, scratch, out, o0):
     """out[o0 + r - r0] = row r of w times float32 x for r0 <= r < r1, each row's lines requested PREFETCH_BYTES
     ahead: fused block dots where the type has them (xsum32: x's per-32 sums, from block_sums32), else each row
@@ -244,7 +241,7 @@ def _int_rows(dot, w, r0, r1, xq, xd, xs16, out, o0):
         out[o0 + r - r0] = dot(w[r], xq, xd, xs16)
 
 
-@numba.njit(nogil=True, fastmath=_FASTMATH)
+@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def int_dots(t, w, r0, r1, xq, xd, xs16, out, o0):
     """out[o0 + r - r0] = row r of w (a has_int_dot type) times quantized activations (xq codes, xd block scales,
     xs16 the codes' 16-sums) for r0 <= r < r1, each row's lines requested PREFETCH_BYTES ahead; the type's branch
@@ -261,6 +258,15 @@ def int_dots(t, w, r0, r1, xq, xd, xs16, out, o0):
         _int_rows(idot_q2_0, w, r0, r1, xq, xd, xs16, out, o0)
     else:
         _int_rows(idot_q8_0, w, r0, r1, xq, xd, xs16, out, o0)
+
+
+# The expert pool and the fused MoE kernels call these rather than inline them: inlined, every type's dot was compiled
+# again at each of their call sites (six in the fused MoE kernel, whose compile took 2.5 of a first run's 4
+# minutes); a call per task of ROW_TASK rows costs nothing measurable there (IQ2_XS experts 1914 vs 1888 us a
+# block, Q4_K within +-3%, alternating in one process). The big matrix-vector products keep them inlined: called,
+# an IQ2_XS matvec from RAM read 9.6 GB/s against 10.2.
+float_dots_call = numba.njit(nogil=True, fastmath=_FASTMATH)(float_dots.py_func)
+int_dots_call = numba.njit(nogil=True, fastmath=_FASTMATH)(int_dots.py_func)
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
