@@ -23,7 +23,7 @@ from .activations import swiglu_block
 from .grouped_codes import down_codes, gate_up_codes
 from .int_matmul import TokenCodes, quantize_tokens, use_codes
 from .quant import _check_weights, _format, activation_block, quantize_activations
-from .quant_dispatch import ROW_TASK, _FASTMATH, dequant_row, float_dots_call, has_fused_dot, has_int_dot, int_dots_call
+from .quant_dispatch import ROW_TASK, _FASTMATH, dequant_row, float_dots_call, has_fused_dot, has_int_dot, int_dots
 from .quant_dot import block_sums32
 from .quant_int import quantize_q8_sums
 from .small_matmul import matmul_nt_regs
@@ -79,8 +79,8 @@ def gate_up_float(tg, gate, tu, up, r0, r1, x, xsum32, scratch, h, u, weight):
 def gate_up_int(tg, gate, tu, up, r0, r1, xq, xd, xs, h, u):
     """h[r] = silu(gate row r . x) * (up row r . x) for r0 <= r < r1 of one expert, x given as ggml's int8
     blocks (integer dots); the weight comes after down, whose activations are these outputs rounded again."""
-    int_dots_call(tg, gate, r0, r1, xq, xd, xs, h, r0)
-    int_dots_call(tu, up, r0, r1, xq, xd, xs, u, 0)
+    int_dots(tg, gate, r0, r1, xq, xd, xs, h, r0)
+    int_dots(tu, up, r0, r1, xq, xd, xs, u, 0)
     for r in range(r0, r1):
         g = h[r]
         h[r] = g / (np.float32(1.0) + np.exp(-g)) * u[r - r0]
@@ -89,7 +89,7 @@ def gate_up_int(tg, gate, tu, up, r0, r1, xq, xd, xs, h, u):
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def down_int(td, down, r0, r1, hq, hd, hs, y, weight):
     """y[r] = weight * (down row r . h) for r0 <= r < r1, h given as int8 blocks."""
-    int_dots_call(td, down, r0, r1, hq, hd, hs, y, r0)
+    int_dots(td, down, r0, r1, hq, hd, hs, y, r0)
     for r in range(r0, r1):
         y[r] *= weight
 

@@ -260,13 +260,11 @@ def int_dots(t, w, r0, r1, xq, xd, xs16, out, o0):
         _int_rows(idot_q8_0, w, r0, r1, xq, xd, xs16, out, o0)
 
 
-# The expert pool and the fused MoE kernels call these rather than inline them: inlined, every type's dot was compiled
-# again at each of their call sites (six in the fused MoE kernel, whose compile took 2.5 of a first run's 4
-# minutes); a call per task of ROW_TASK rows costs nothing measurable there (IQ2_XS experts 1914 vs 1888 us a
-# block, Q4_K within +-3%, alternating in one process). The big matrix-vector products keep them inlined: called,
-# an IQ2_XS matvec from RAM read 9.6 GB/s against 10.2.
+# The float-activation expert pool and fused MoE kernel call float_dots rather than inline it: inlined, every type's
+# dot was compiled again at each call site (six in the fused MoE kernel, whose compile took 2.5 of a first run's 4
+# minutes). The integer dots stay inlined everywhere: called from the fused MoE kernel they made an IQ2_XS file's
+# MoE blocks 25% slower (1.9-2.2 ms a layer against 1.4-1.8, alternating runs).
 float_dots_call = numba.njit(nogil=True, fastmath=_FASTMATH)(float_dots.py_func)
-int_dots_call = numba.njit(nogil=True, fastmath=_FASTMATH)(int_dots.py_func)
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
