@@ -23,7 +23,7 @@ from .activations import swiglu_block
 from .grouped_codes import down_codes, gate_up_codes
 from .int_matmul import TokenCodes, quantize_tokens, use_codes
 from .quant import _check_weights, _format, activation_block, quantize_activations
-from .quant_dispatch import ROW_TASK, _FASTMATH, dequant_row, float_dots_call, has_fused_dot, has_int_dot, int_dots
+from .quant_dispatch import ROW_TASK, _FASTMATH, dequant_row, float_dots, has_fused_dot, has_int_dot, int_dots
 from .quant_dot import block_sums32
 from .quant_int import quantize_q8_sums
 from .small_matmul import matmul_nt_regs
@@ -68,8 +68,8 @@ def gate_up_float(tg, gate, tu, up, r0, r1, x, xsum32, scratch, h, u, weight):
     """h[r] = weight * silu(gate row r . x) * (up row r . x) for r0 <= r < r1 of one expert (float dots; u: the
     task's scratch for its up products, scratch: a row to decode into where a type has no fused dot). The
     weight goes in here: down is linear."""
-    float_dots_call(tg, gate, r0, r1, x, xsum32, scratch, h, r0)
-    float_dots_call(tu, up, r0, r1, x, xsum32, scratch, u, 0)
+    float_dots(tg, gate, r0, r1, x, xsum32, scratch, h, r0)
+    float_dots(tu, up, r0, r1, x, xsum32, scratch, u, 0)
     for r in range(r0, r1):
         g = h[r]
         h[r] = g / (np.float32(1.0) + np.exp(-g)) * u[r - r0] * weight
@@ -120,7 +120,7 @@ def _swiglu_experts(tg, gate, tu, up, td, down, x, ids, weights, out):
     for task in numba.prange(k * per_expert):
         j, r0, r1 = _task_rows(task, per_expert, hidden)
         scratch = hsum32[j] if fused else np.empty(ffn, np.float32)
-        float_dots_call(td, down[ids[j]], r0, r1, h[j], hsum32[j], scratch, y[j], r0)
+        float_dots(td, down[ids[j]], r0, r1, h[j], hsum32[j], scratch, y[j], r0)
     _add_experts(y, out)
 
 

@@ -26,7 +26,7 @@ import numpy as np
 from .activations import _sigmoid
 from .expert_pool import _add_experts, _task_rows, down_int, gate_up_float, gate_up_int
 from .quant import _check_weights, _format
-from .quant_dispatch import ROW_TASK, _FASTMATH, float_dots_call, has_fused_dot, has_int_dot
+from .quant_dispatch import ROW_TASK, _FASTMATH, float_dots, has_fused_dot, has_int_dot
 from .quant_dot import block_sums32
 from .quant_float import BF16, F16, F32
 from .quant_int import quantize_q8_sums
@@ -56,146 +56,94 @@ def _sums32(x):
     return s
 
 
-@numba.njit(inline="always", nogil=True)
-def _float_dots(t, w, r0, r1, x, xsum32, out, o0):
-    """float_dots with a decode row allocated only for types without a fused dot."""
-    scratch = xsum32 if has_fused_dot(t) else np.empty(x.shape[0], np.float32)
-    float_dots_call(t, w, r0, r1, x, xsum32, scratch, out, o0)
-
-
-@numba.njit(inline="always", nogil=True)
-def _shared_scale(it, gate_inp, sffn, x, xsum32):
-    """The shared expert's weight: sigmoid(gate_inp . x) where there is a gate row, else 1."""
+@numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
+def _moe_token(rt, router, it, gate_inp, normalize, tg, gate, tu, up, td, down, stg, sgate, stu, sup, std, sdown,
+               x, quantized, blocks, ids, weights, out):
+    """blocks: int8 block sizes of the activations of (gate/up, down, shared gate/up, shared down); a shared
+    expert with no rows is none, a gate_inp with no rows an unscaled shared expert."""
+    n_experts, k, hidden = router.shape[0], ids.shape[0], x.shape[0]
+    ffn, sffn = gate.shape[1], sgate.shape[0]
+    xsum32 = _sums32(x)
+    xq, xd, xs = _q8(x, blocks[0], quantized)
+    sxq, sxd, sxs = _q8(x, blocks[2], quantized and sffn > 0)
     scale = np.ones(1, np.float32)
     if sffn > 0 and gate_inp.shape[0] == 1:
         dot = np.empty(1, np.float32)
-        _float_dots(it, gate_inp, 0, 1, x, xsum32, dot, 0)
+        float_dots(it, gate_inp, 0, 1, x, xsum32, np.empty(hidden, np.float32), dot, 0)
         _sigmoid(dot, scale)
-    return scale[0]
 
-
-@numba.njit(inline="always", nogil=True)
-def _first_phase(n_experts, sffn):
-    """The first parallel phase's outputs: router logits, the number of router tasks, the shared expert's gate/up
-    outputs and each shared task's up products."""
+    # router rows and the shared expert's gate/up rows
+    logits = np.empty(n_experts, np.float32)
+    n_router = (n_experts + ROW_TASK - 1) // ROW_TASK
     n_shared = (sffn + ROW_TASK - 1) // ROW_TASK
-    return (np.empty(n_experts, np.float32), (n_experts + ROW_TASK - 1) // ROW_TASK, np.empty(sffn, np.float32),
-            np.empty((n_shared, ROW_TASK), np.float32))
-
-
-@numba.njit(inline="always", nogil=True)
-def _router_task(task, rt, router, x, xsum32, logits):
-    r0 = task * ROW_TASK
-    _float_dots(rt, router, r0, min(router.shape[0], r0 + ROW_TASK), x, xsum32, logits, r0)
-
-
-@numba.njit(inline="always", nogil=True)
-def _route(logits, normalize, ids, weights):
-    n, k = logits.shape[0], ids.shape[0]
-    _softmax_topk(logits.reshape((1, n)), normalize, np.empty(n, np.float32), ids.reshape((1, k)),
-                  weights.reshape((1, k)))
-
-
-@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
-def _add_outputs(y, sy, sffn, out):
-    """out += the routed outputs in expert order, then the shared expert's."""
-    _add_experts(y, out)
-    if sffn > 0:
-        _add_experts(sy.reshape((1, sy.shape[0])), out)
-
-
-# Two kernels, one per numerics, with the same phases: a run compiles only the one it uses (one kernel with both
-# took ~3 minutes to compile, most of a first run).
-@numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
-def _moe_token_float(rt, router, it, gate_inp, normalize, tg, gate, tu, up, td, down, stg, sgate, stu, sup, std,
-                     sdown, x, ids, weights, out):
-    """A shared expert with no rows is none, a gate_inp with no rows an unscaled shared expert."""
-    n_experts, k, hidden, ffn, sffn = router.shape[0], ids.shape[0], x.shape[0], gate.shape[1], sgate.shape[0]
-    xsum32 = _sums32(x)
-    scale = _shared_scale(it, gate_inp, sffn, x, xsum32)
-
-    logits, n_router, sh, su = _first_phase(n_experts, sffn)
-    for task in numba.prange(n_router + su.shape[0]):  # router rows and the shared expert's gate/up rows
+    sh = np.empty(sffn, np.float32)
+    su = np.empty((n_shared, ROW_TASK), np.float32)
+    for task in numba.prange(n_router + n_shared):
         if task < n_router:
-            _router_task(task, rt, router, x, xsum32, logits)
+            r0 = task * ROW_TASK
+            scratch = xsum32 if has_fused_dot(rt) else np.empty(hidden, np.float32)
+            float_dots(rt, router, r0, min(n_experts, r0 + ROW_TASK), x, xsum32, scratch, logits, r0)
         else:
             s = task - n_router
-            scratch = xsum32 if has_fused_dot(stg) and has_fused_dot(stu) else np.empty(hidden, np.float32)
-            gate_up_float(stg, sgate, stu, sup, s * ROW_TASK, min(sffn, (s + 1) * ROW_TASK), x, xsum32, scratch,
-                          sh, su[s], scale)
-    _route(logits, normalize, ids, weights)
+            r0 = s * ROW_TASK
+            r1 = min(sffn, r0 + ROW_TASK)
+            if quantized:
+                gate_up_int(stg, sgate, stu, sup, r0, r1, sxq, sxd, sxs, sh, su[s])
+            else:
+                scratch = xsum32 if has_fused_dot(stg) and has_fused_dot(stu) else np.empty(hidden, np.float32)
+                gate_up_float(stg, sgate, stu, sup, r0, r1, x, xsum32, scratch, sh, su[s], scale[0])
+
+    _softmax_topk(logits.reshape((1, n_experts)), normalize, np.empty(n_experts, np.float32),
+                  ids.reshape((1, k)), weights.reshape((1, k)))
 
     h = np.empty((k, ffn), np.float32)
     per_expert = (ffn + ROW_TASK - 1) // ROW_TASK
     u = np.empty((k * per_expert, ROW_TASK), np.float32)
     for task in numba.prange(k * per_expert):
         j, r0, r1 = _task_rows(task, per_expert, ffn)
-        scratch = xsum32 if has_fused_dot(tg) and has_fused_dot(tu) else np.empty(hidden, np.float32)
-        gate_up_float(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, x, xsum32, scratch, h[j], u[task], weights[j])
+        if quantized:
+            gate_up_int(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, xq, xd, xs, h[j], u[task])
+        else:
+            scratch = xsum32 if has_fused_dot(tg) and has_fused_dot(tu) else np.empty(hidden, np.float32)
+            gate_up_float(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, x, xsum32, scratch, h[j], u[task], weights[j])
 
+    # the down rows' activations: int8 blocks, or float sums per 32
+    nq = ffn if quantized else 0
+    hq = np.empty((k, nq), np.int8)
+    hd = np.empty((k, nq // blocks[1]), np.float32)
+    hs = np.empty((k, nq // 16), np.int32)
     hsum32 = np.empty((k, max(1, ffn // 32)), np.float32)
     for j in range(k):
-        if ffn % 32 == 0:
+        if quantized:
+            quantize_q8_sums(h[j], blocks[1], hq[j], hd[j], hs[j])
+        elif ffn % 32 == 0:
             block_sums32(h[j], hsum32[j])
+    shq, shd, shs = _q8(sh, blocks[3], quantized and sffn > 0)
     shsum32 = _sums32(sh)
+
     per_expert = (hidden + ROW_TASK - 1) // ROW_TASK
+    n_shared = per_expert if sffn > 0 else 0
     y = np.empty((k, hidden), np.float32)
     sy = np.empty(hidden, np.float32)
-    for task in numba.prange(k * per_expert + (per_expert if sffn > 0 else 0)):
+    for task in numba.prange(k * per_expert + n_shared):
         if task < k * per_expert:
             j, r0, r1 = _task_rows(task, per_expert, hidden)
-            _float_dots(td, down[ids[j]], r0, r1, h[j], hsum32[j], y[j], r0)
+            if quantized:
+                down_int(td, down[ids[j]], r0, r1, hq[j], hd[j], hs[j], y[j], weights[j])
+            else:
+                scratch = hsum32[j] if has_fused_dot(td) else np.empty(ffn, np.float32)
+                float_dots(td, down[ids[j]], r0, r1, h[j], hsum32[j], scratch, y[j], r0)
         else:
             r0 = (task - k * per_expert) * ROW_TASK
-            _float_dots(std, sdown, r0, min(hidden, r0 + ROW_TASK), sh, shsum32, sy, r0)
-    _add_outputs(y, sy, sffn, out)
-
-
-@numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
-def _moe_token_int(rt, router, it, gate_inp, normalize, tg, gate, tu, up, td, down, stg, sgate, stu, sup, std,
-                   sdown, x, blocks, ids, weights, out):
-    """blocks: int8 block sizes of the activations of (gate/up, down, shared gate/up, shared down); the router and
-    the shared expert's gate take x unrounded."""
-    n_experts, k, hidden, ffn, sffn = router.shape[0], ids.shape[0], x.shape[0], gate.shape[1], sgate.shape[0]
-    xsum32 = _sums32(x)
-    xq, xd, xs = _q8(x, blocks[0], True)
-    sxq, sxd, sxs = _q8(x, blocks[2], sffn > 0)
-    scale = _shared_scale(it, gate_inp, sffn, x, xsum32)
-
-    logits, n_router, sh, su = _first_phase(n_experts, sffn)
-    for task in numba.prange(n_router + su.shape[0]):  # router rows and the shared expert's gate/up rows
-        if task < n_router:
-            _router_task(task, rt, router, x, xsum32, logits)
-        else:
-            s = task - n_router
-            gate_up_int(stg, sgate, stu, sup, s * ROW_TASK, min(sffn, (s + 1) * ROW_TASK), sxq, sxd, sxs, sh, su[s])
-    _route(logits, normalize, ids, weights)
-
-    h = np.empty((k, ffn), np.float32)
-    per_expert = (ffn + ROW_TASK - 1) // ROW_TASK
-    u = np.empty((k * per_expert, ROW_TASK), np.float32)
-    for task in numba.prange(k * per_expert):
-        j, r0, r1 = _task_rows(task, per_expert, ffn)
-        gate_up_int(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, xq, xd, xs, h[j], u[task])
-
-    # the down rows' activations: each expert's SwiGLU output rounded to int8 blocks
-    hq = np.empty((k, ffn), np.int8)
-    hd = np.empty((k, ffn // blocks[1]), np.float32)
-    hs = np.empty((k, ffn // 16), np.int32)
-    for j in range(k):
-        quantize_q8_sums(h[j], blocks[1], hq[j], hd[j], hs[j])
-    shq, shd, shs = _q8(sh, blocks[3], sffn > 0)
-    per_expert = (hidden + ROW_TASK - 1) // ROW_TASK
-    y = np.empty((k, hidden), np.float32)
-    sy = np.empty(hidden, np.float32)
-    for task in numba.prange(k * per_expert + (per_expert if sffn > 0 else 0)):
-        if task < k * per_expert:
-            j, r0, r1 = _task_rows(task, per_expert, hidden)
-            down_int(td, down[ids[j]], r0, r1, hq[j], hd[j], hs[j], y[j], weights[j])
-        else:
-            r0 = (task - k * per_expert) * ROW_TASK
-            down_int(std, sdown, r0, min(hidden, r0 + ROW_TASK), shq, shd, shs, sy, scale)
-    _add_outputs(y, sy, sffn, out)
+            r1 = min(hidden, r0 + ROW_TASK)
+            if quantized:
+                down_int(std, sdown, r0, r1, shq, shd, shs, sy, scale[0])
+            else:
+                scratch = shsum32 if has_fused_dot(std) else np.empty(sffn, np.float32)
+                float_dots(std, sdown, r0, r1, sh, shsum32, scratch, sy, r0)
+    _add_experts(y, out)
+    if sffn > 0:
+        _add_experts(sy.reshape((1, hidden)), out)
 
 
 Projection = tuple[np.ndarray, int]  # a weight tensor's rows (uint8, ggml blocks) and its ggml type
@@ -260,14 +208,10 @@ def moe_token(x: np.ndarray, router: Projection, k: int, normalize: bool, expert
         raise ValueError("moe_token needs a float router and shared-expert gate (F32, F16, BF16) and, with "
                          "quantized activations, integer dots for every expert projection and gate and up of one "
                          "type (see has_moe_token)")
+    blocks = np.array([max(1, _format(t).act_block) for t in (tg, td, stg, std)], np.int64)
     ids = np.empty(k, np.int64)
     weights = np.empty(k, np.float32)
     out = np.zeros(hidden, np.float32)
-    args = (int(rt), rw, int(it), gi, bool(normalize), int(tg), gate, int(tu), up, int(td), down, int(stg), sg,
-            int(stu), su, int(std), sd, x)
-    if quantized_activations:
-        blocks = np.array([max(1, _format(t).act_block) for t in (tg, td, stg, std)], np.int64)
-        _moe_token_int(*args, blocks, ids, weights, out)
-    else:
-        _moe_token_float(*args, ids, weights, out)
+    _moe_token(int(rt), rw, int(it), gi, bool(normalize), int(tg), gate, int(tu), up, int(td), down, int(stg), sg,
+               int(stu), su, int(std), sd, x, bool(quantized_activations), blocks, ids, weights, out)
     return out, ids, weights

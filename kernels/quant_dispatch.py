@@ -260,13 +260,6 @@ def int_dots(t, w, r0, r1, xq, xd, xs16, out, o0):
         _int_rows(idot_q8_0, w, r0, r1, xq, xd, xs16, out, o0)
 
 
-# The float-activation expert pool and fused MoE kernel call float_dots rather than inline it: inlined, every type's
-# dot was compiled again at each call site (six in the fused MoE kernel, whose compile took 2.5 of a first run's 4
-# minutes). The integer dots stay inlined everywhere: called from the fused MoE kernel they made an IQ2_XS file's
-# MoE blocks 25% slower (1.9-2.2 ms a layer against 1.4-1.8, alternating runs).
-float_dots_call = numba.njit(nogil=True, fastmath=_FASTMATH)(float_dots.py_func)
-
-
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def _matvec_int_rows(t, w, xq, xd, xs16, out):
     for c in numba.prange((w.shape[0] + ROW_TASK - 1) // ROW_TASK):

@@ -145,7 +145,7 @@ def _note_first_compile() -> None:
     from .kernels import compiled_kernels_cached
 
     if not compiled_kernels_cached():
-        _note("first run of this version: compiling the CPU kernels (a minute or two; cached afterwards)")
+        _note("first run of this version: compiling the CPU kernels (a few minutes; cached afterwards)")
 
 
 def _run(args: argparse.Namespace) -> int:
