@@ -44,5 +44,3 @@ def dot_q4_k(src, x, xsum32):
 def dot_q6_k(src, x, xsum32):
     """One Q6_K row: 16-weight runs with int8 scales, values (6-bit code - 32)."""
     return fdot_q6_k_row(src, x, x.shape[0] // 256)
-
-
