@@ -51,6 +51,7 @@ HAS_GFNI = HAS_AVX512BW and bool(_host_features().get("gfni"))
 
 _I8 = ir.IntType(8)
 _I32 = ir.IntType(32)
+_FL = ("reassoc", "nsz", "contract")  # the float flags of the dots' sums: reassociated, contracted to FMAs
 
 
 def _array_1d(ty, *dtypes) -> bool:
@@ -134,14 +135,13 @@ def _float_lanes_row(context, builder, n, terms):
     of the integer ones, and the float dots (fdot_*_row) had reduced each block or half-block too."""
     f32 = ir.FloatType()
     v16f = ir.VectorType(f32, 16)
-    fl = ("reassoc", "nsz", "contract")
     acc = cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16))
     with cgutils.for_range(builder, n) as loop:
         a = builder.load(acc)
         for lanes, scale in terms(loop.index):
             s = scale if isinstance(scale.type, ir.VectorType) else _splat_f(builder, scale, 16)
             v = lanes if isinstance(lanes.type.element, ir.FloatType) else builder.sitofp(lanes, v16f)
-            a = builder.fadd(a, builder.fmul(v, s, flags=fl), flags=fl)
+            a = builder.fadd(a, builder.fmul(v, s, flags=_FL), flags=_FL)
         builder.store(a, acc)
     return _reduce_fadd(builder, builder.load(acc), 16)
 
@@ -426,7 +426,7 @@ def fdot_q4_k_row(typingctx, src, x, xsum32, blocks):
             xs = _load_vec(context, builder, xs_ty, xs_v, builder.mul(b, ir.Constant(b.type, 8)), f32, 8)
             mins = builder.fmul(builder.uitofp(mn, v8f), xs, flags=_FL)
             mins16 = builder.shuffle_vector(mins, ir.Constant(v8f, [0.0] * 8), _vec_const(32, list(range(16))))
-            return [(lanes, _splat_f(builder, ir.Constant(f32, 1.0), 16)), (mins16, builder.fneg(dmin))]
+            return [(lanes, ir.Constant(f32, 1.0)), (mins16, builder.fneg(dmin))]
         return _float_lanes_row(context, builder, args[3], terms)
     return types.float32(src, x, xsum32, blocks), codegen
 
@@ -745,8 +745,7 @@ def fdot_iq2_xs_row(typingctx, grid, src, x, blocks):
                 xv = _load_vec(context, builder, x_ty, x_v, _at(builder, y, 64 * step), f32, 64)
                 part = builder.fmul(builder.sitofp(scaled, ir.VectorType(f32, 64)), xv, flags=_FL)
                 total = part if total is None else builder.fadd(total, part, flags=_FL)
-            lanes = _fold16(builder, builder.fadd(_shuffle(builder, total, list(range(32))),
-                                                  _shuffle(builder, total, list(range(32, 64))), flags=_FL))
+            lanes = _fold16(builder, total)
             d8 = builder.fmul(_half_at(context, builder, src_ty, src_v, o), ir.Constant(f32, 0.125))
             return [(lanes, d8)]
         return _float_lanes_row(context, builder, args[3], terms)
@@ -761,12 +760,12 @@ def _reduce_fadd(builder, vec, n):
     return builder.call(fn, [ir.Constant(f32, 0.0), vec], fastmath=("reassoc", "nsz"))
 
 
-_FL = ("reassoc", "nsz", "contract")
-
-
 def _fold16(builder, v):
-    """The two halves of a <32 x float> added: 16 lanes (the row accumulators' width)."""
-    return builder.fadd(_shuffle(builder, v, list(range(16))), _shuffle(builder, v, list(range(16, 32))), flags=_FL)
+    """A <32 x float> or <64 x float> folded to 16 lanes (the row accumulators' width) by adding its halves."""
+    while v.type.count > 16:
+        n = v.type.count // 2
+        v = builder.fadd(_shuffle(builder, v, list(range(n))), _shuffle(builder, v, list(range(n, 2 * n))), flags=_FL)
+    return v
 
 
 def _codes_times_x(context, builder, codes, x_ty, x, xo):
@@ -928,7 +927,6 @@ def fdot_f32_64(typingctx, a, b, n64):
     def codegen(context, builder, sig, args):
         f32 = ir.FloatType()
         v16 = ir.VectorType(f32, 16)
-        fl = ("reassoc", "nsz", "contract")
         pa = _data(context, builder, sig.args[0], args[0])
         pb = _data(context, builder, sig.args[1], args[1])
         accs = [cgutils.alloca_once_value(builder, ir.Constant(v16, [0.0] * 16)) for _ in range(4)]
@@ -938,9 +936,9 @@ def fdot_f32_64(typingctx, a, b, n64):
                 off = _at(builder, base, 16 * j)
                 va = builder.load(builder.bitcast(builder.gep(pa, [off]), v16.as_pointer()), align=4)
                 vb = builder.load(builder.bitcast(builder.gep(pb, [off]), v16.as_pointer()), align=4)
-                builder.store(builder.fadd(builder.load(accs[j]), builder.fmul(va, vb, flags=fl), flags=fl), accs[j])
-        total = builder.fadd(builder.fadd(builder.load(accs[0]), builder.load(accs[1]), flags=fl),
-                             builder.fadd(builder.load(accs[2]), builder.load(accs[3]), flags=fl), flags=fl)
+                builder.store(builder.fadd(builder.load(accs[j]), builder.fmul(va, vb, flags=_FL), flags=_FL), accs[j])
+        total = builder.fadd(builder.fadd(builder.load(accs[0]), builder.load(accs[1]), flags=_FL),
+                             builder.fadd(builder.load(accs[2]), builder.load(accs[3]), flags=_FL), flags=_FL)
         return _reduce_fadd(builder, total, 16)
     return types.float32(a, b, n64), codegen
 
@@ -965,7 +963,6 @@ def _fdot_nt_block(mr: int, nr: int):
             a_v, ao_v, lda_v, b_v, bo_v, ldb_v, k16_v, c_v, co_v, ldc_v, acc_v = args
             f32 = ir.FloatType()
             v16 = ir.VectorType(f32, 16)
-            fl = ("reassoc", "nsz", "contract")
             pa = _data(context, builder, sig.args[0], a_v)
             pb = _data(context, builder, sig.args[3], b_v)
             pc = _data(context, builder, sig.args[7], c_v)
@@ -987,8 +984,8 @@ def _fdot_nt_block(mr: int, nr: int):
                 vb = [load(pb, r) for r in b_rows]
                 for i in range(mr):
                     for j in range(nr):
-                        prod = builder.fmul(va[i], vb[j], flags=fl)
-                        builder.store(builder.fadd(builder.load(accs[i][j]), prod, flags=fl), accs[i][j])
+                        prod = builder.fmul(va[i], vb[j], flags=_FL)
+                        builder.store(builder.fadd(builder.load(accs[i][j]), prod, flags=_FL), accs[i][j])
             for i in range(mr):
                 row = builder.add(co_v, builder.mul(ldc_v, ir.Constant(i64, i)))
                 for j in range(nr):
@@ -1140,8 +1137,7 @@ def fdot_q2_0_row(typingctx, src, x, blocks):
             values = builder.sitofp(builder.sub(codes, _vec_const(8, [1] * 64)), ir.VectorType(f32, 64))
             xv = _load_vec(context, builder, x_ty, x_v, builder.mul(b, ir.Constant(b.type, 64)), f32, 64)
             p = builder.fmul(values, xv, flags=_FL)
-            lanes = _fold16(builder, builder.fadd(_shuffle(builder, p, list(range(32))),
-                                                  _shuffle(builder, p, list(range(32, 64))), flags=_FL))
+            lanes = _fold16(builder, p)
             return [(lanes, _half_at(context, builder, src_ty, src_v, o))]
         return _float_lanes_row(context, builder, args[2], terms)
     return types.float32(src, x, blocks), codegen
