@@ -26,6 +26,18 @@ _LN2_LO = np.float32(-2.12194440e-4)
 _EXP_MIN = np.float32(-87.0)  # exp(-87) = 1.6e-38, just above float32's smallest normal number
 
 
+# From this many values the row-wise kernels (norms, rotary embedding, the DeltaNet convolution) split their rows over
+# the threads: a prompt chunk (512 tokens x 2048). A decoded token's few rows stay on the calling thread, where
+# starting the thread pool would cost more than the work.
+PARALLEL_VALUES = 1 << 16
+
+
+def by_size(n_values: int, serial, parallel):
+    """Of a kernel's serial and parallel forms (the same row function, the same bits), the one for a call over
+    n_values values."""
+    return parallel if n_values >= PARALLEL_VALUES else serial
+
+
 @numba.njit(nogil=True, cache=True, fastmath=ELEMENTWISE_MATH, error_model="numpy", inline="always")
 def exp_nonpositive(x):
     """exp(x) for float32 x <= 0 (0 below -87; NaN stays NaN)."""

@@ -16,6 +16,7 @@ import math
 import numba
 import numpy as np
 
+from .activations import by_size
 from .checks import require_array, require_positive
 from .small_matmul import FASTMATH, matmul_nt
 
@@ -164,23 +165,40 @@ def attend(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, start_pos: i
     return out
 
 
+@numba.njit(inline="always", nogil=True)
+def _rope_token(x, position, inv_freq, out):
+    """One token's heads x [h, d] rotated to out: the angles' cosines and sines once, then each head's halves as
+    contiguous runs (a loop over the heads innermost had strided every access)."""
+    h, d = x.shape
+    half = inv_freq.shape[0]
+    c = np.empty(half, np.float32)
+    s = np.empty(half, np.float32)
+    for i in range(half):
+        angle = np.float64(position) * inv_freq[i]
+        c[i] = np.float32(np.cos(angle))
+        s[i] = np.float32(np.sin(angle))
+    for head in range(h):
+        xh, oh = x[head], out[head]
+        for i in range(half):
+            x1 = xh[i]
+            x2 = xh[i + half]
+            oh[i] = x1 * c[i] - x2 * s[i]
+            oh[i + half] = x2 * c[i] + x1 * s[i]
+        for i in range(2 * half, d):
+            oh[i] = xh[i]
+
+
+# A serial and a parallel loop over the tokens (the same bits; the parallel one for prompt chunks).
 @numba.njit(nogil=True, cache=True, fastmath=False)
 def _rope_neox(x, positions, inv_freq, out):
-    n, h, d = x.shape
-    half = inv_freq.shape[0]
-    for t in range(n):
-        for i in range(half):
-            angle = np.float64(positions[t]) * inv_freq[i]
-            c = np.float32(np.cos(angle))
-            s = np.float32(np.sin(angle))
-            for head in range(h):
-                x1 = x[t, head, i]
-                x2 = x[t, head, i + half]
-                out[t, head, i] = x1 * c - x2 * s
-                out[t, head, i + half] = x2 * c + x1 * s
-        for head in range(h):
-            for i in range(2 * half, d):
-                out[t, head, i] = x[t, head, i]
+    for t in range(x.shape[0]):
+        _rope_token(x[t], positions[t], inv_freq, out[t])
+
+
+@numba.njit(nogil=True, cache=True, fastmath=False, parallel=True)
+def _rope_neox_parallel(x, positions, inv_freq, out):
+    for t in numba.prange(x.shape[0]):
+        _rope_token(x[t], positions[t], inv_freq, out[t])
 
 
 def rope(x: np.ndarray, positions: np.ndarray, theta: float, rot_dim: int, style: str = "neox") -> np.ndarray:
@@ -200,7 +218,7 @@ def rope(x: np.ndarray, positions: np.ndarray, theta: float, rot_dim: int, style
         raise ValueError(f"rot_dim must be even and in 2..{d} (the head size), got {rot_dim}")
     inv_freq = float(theta) ** (-np.arange(rot_dim // 2, dtype=np.float64) * 2.0 / rot_dim)
     out = np.empty_like(x)
-    _rope_neox(x, positions.astype(np.int64), inv_freq, out)
+    by_size(x.size, _rope_neox, _rope_neox_parallel)(x, positions.astype(np.int64), inv_freq, out)
     return out
 
 

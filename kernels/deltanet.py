@@ -18,39 +18,56 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .activations import ELEMENTWISE_MATH, sigmoid_f32
+from .activations import ELEMENTWISE_MATH, by_size, sigmoid_f32
 from .checks import require_array, require_positive
 from .simd import flush_subnormals
 from .small_matmul import FASTMATH, matmul_nt
 
 
-@numba.njit(nogil=True, cache=True, fastmath=ELEMENTWISE_MATH, error_model="numpy")
-def _causal_conv1d_silu(x, state, weight, out):
-    n, channels = x.shape
-    kernel = weight.shape[1]
-    history = kernel - 1  # rows of conv_state; x[t] is history row history + t
-    w_t = np.ascontiguousarray(weight.T)  # [kernel, channels]: the channel loops below run over contiguous rows
-    for t in range(n):
-        o = out[t]
-        o[:] = 0.0
-        for j in range(kernel):
-            src = t + j
-            row = state[src] if src < history else x[src - history]
-            w = w_t[j]
-            for c in range(channels):
-                o[c] += w[c] * row[c]
-        for c in range(channels):
-            o[c] = o[c] * sigmoid_f32(o[c])
-    # Keep the last kernel-1 inputs. Row i takes row i + n of the history; ascending i only reads
-    # state rows that have not been overwritten yet.
+@numba.njit(inline="always", nogil=True)
+def _conv_token(t, x, state, w_t, out):
+    """out[t] = silu of the causal convolution at token t (w_t: the weight transposed, [kernel, channels])."""
+    history = w_t.shape[0] - 1  # rows of conv_state; x[t] is history row history + t
+    o = out[t]
+    o[:] = 0.0
+    for j in range(w_t.shape[0]):
+        src = t + j
+        row = state[src] if src < history else x[src - history]
+        w = w_t[j]
+        for c in range(o.shape[0]):
+            o[c] += w[c] * row[c]
+    for c in range(o.shape[0]):
+        o[c] = o[c] * sigmoid_f32(o[c])
+
+
+@numba.njit(inline="always", nogil=True)
+def _keep_history(x, state):
+    """Keep the last kernel-1 inputs. Row i takes row i + n of the history; ascending i only reads state rows that
+    have not been overwritten yet."""
+    n, history = x.shape[0], state.shape[0]
     for i in range(history):
         src = i + n
         if src < history:
-            for c in range(channels):
-                state[i, c] = state[src, c]
+            state[i, :] = state[src, :]
         else:
-            for c in range(channels):
-                state[i, c] = x[src - history, c]
+            state[i, :] = x[src - history, :]
+
+
+# A serial and a parallel loop over the tokens (the same bits; the parallel one for prompt chunks).
+@numba.njit(nogil=True, cache=True, fastmath=ELEMENTWISE_MATH, error_model="numpy")
+def _causal_conv1d_silu(x, state, weight, out):
+    w_t = np.ascontiguousarray(weight.T)  # [kernel, channels]: the channel loops run over contiguous rows
+    for t in range(x.shape[0]):
+        _conv_token(t, x, state, w_t, out)
+    _keep_history(x, state)
+
+
+@numba.njit(nogil=True, cache=True, fastmath=ELEMENTWISE_MATH, error_model="numpy", parallel=True)
+def _causal_conv1d_silu_parallel(x, state, weight, out):
+    w_t = np.ascontiguousarray(weight.T)
+    for t in numba.prange(x.shape[0]):
+        _conv_token(t, x, state, w_t, out)
+    _keep_history(x, state)
 
 
 @numba.njit(nogil=True, cache=True, fastmath=False)
@@ -210,7 +227,7 @@ def causal_conv1d(x: np.ndarray, conv_state: np.ndarray, weight: np.ndarray) -> 
     require_positive("conv kernel size", weight.shape[1])
     require_array("conv_state", conv_state, (weight.shape[1] - 1, x.shape[1]), writable=True)
     out = np.empty_like(x)
-    _causal_conv1d_silu(x, conv_state, weight, out)
+    by_size(x.size, _causal_conv1d_silu, _causal_conv1d_silu_parallel)(x, conv_state, weight, out)
     return out
 
 
