@@ -33,27 +33,35 @@ def use_codes(t: int, k: int) -> bool:
 
 
 class TokenCodes(NamedTuple):
-    """Tokens' activations rounded for one weight type: q int8 [n, k]; d and s float32 [n, k / sub-block]: the
-    activation scale of each sub-block and that scale times the sub-block's code sum."""
+    """Tokens' activations rounded for one weight type: q int8 [n, k]; d and s float32. Sub-blocks of 32 (Q8_0,
+    Q4_K, Q2_0): d [n, k / 32] the activation scale of each sub-block, s [n, k / 32] that scale times the
+    sub-block's code sum. Sub-blocks of 16 (Q6_K, Q2_K, IQ2_XS): d [n, k / 256] the scale of each Q8_K block, s
+    [n, k / 16] the sub-blocks' code sums, so the products multiply by a block's scale once
+    (simd_gemm.codes_block)."""
     q: np.ndarray
     d: np.ndarray
     s: np.ndarray
 
 
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=False)
-def _quantize_tokens(x, act_block, sb, xq, xd_sb, xs_sb):
+def _quantize_tokens(x, act_block, sb, xq, xd, xs):
     n, k = x.shape
     for p in numba.prange(n):
-        xd = np.empty(k // act_block, np.float32)
+        d_act = np.empty(k // act_block, np.float32)
         xs16 = np.empty(k // 16, np.int32)
-        quantize_q8_sums(x[p], act_block, xq[p], xd, xs16)
+        quantize_q8_sums(x[p], act_block, xq[p], d_act, xs16)
         for j in range(k // sb):
-            d = xd[j * sb // act_block]
             s = np.int32(0)
             for h in range(sb // 16):
                 s += xs16[j * sb // 16 + h]
-            xd_sb[p, j] = d
-            xs_sb[p, j] = d * np.float32(s)
+            if sb == 16:
+                xs[p, j] = np.float32(s)
+            else:
+                d = d_act[j * sb // act_block]
+                xd[p, j] = d
+                xs[p, j] = d * np.float32(s)
+        if sb == 16:
+            xd[p, :] = d_act
 
 
 def quantize_tokens(x: np.ndarray, t: int, act_block: int) -> TokenCodes:
@@ -61,48 +69,48 @@ def quantize_tokens(x: np.ndarray, t: int, act_block: int) -> TokenCodes:
     sb = SUB_BLOCK[t]
     n, k = x.shape
     q = np.empty((n, k), np.int8)
-    d = np.empty((n, k // sb), np.float32)
+    d = np.empty((n, k // (act_block if sb == 16 else sb)), np.float32)
     s = np.empty((n, k // sb), np.float32)
     _quantize_tokens(np.ascontiguousarray(x, np.float32), act_block, sb, q, d, s)
     return TokenCodes(q, d, s)
 
 
 @numba.njit(inline="always", nogil=True)
-def _block(nt, sb, codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out):
+def _block(nt, sb, codes, scale, bias, n_sub, xq, xo, ldx, xd, xdo, ldxd, xs, xso, ldxs, out):
     """The block of nt tokens (1 to 8) for sub-blocks of sb values."""
     if sb == 32:
         if nt == 8:
-            codes_8x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+            codes_8x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xdo, ldxd, xs, xso, ldxs, out)
         elif nt == 7:
-            codes_7x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+            codes_7x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xdo, ldxd, xs, xso, ldxs, out)
         elif nt == 6:
-            codes_6x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+            codes_6x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xdo, ldxd, xs, xso, ldxs, out)
         elif nt == 5:
-            codes_5x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+            codes_5x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xdo, ldxd, xs, xso, ldxs, out)
         elif nt == 4:
-            codes_4x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+            codes_4x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xdo, ldxd, xs, xso, ldxs, out)
         elif nt == 3:
-            codes_3x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+            codes_3x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xdo, ldxd, xs, xso, ldxs, out)
         elif nt == 2:
-            codes_2x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+            codes_2x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xdo, ldxd, xs, xso, ldxs, out)
         else:
-            codes_1x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+            codes_1x32(codes, scale, bias, n_sub, xq, xo, ldx, xd, xdo, ldxd, xs, xso, ldxs, out)
     elif nt == 8:
-        codes_8x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+        codes_8x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xdo, ldxd, xs, xso, ldxs, out)
     elif nt == 7:
-        codes_7x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+        codes_7x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xdo, ldxd, xs, xso, ldxs, out)
     elif nt == 6:
-        codes_6x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+        codes_6x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xdo, ldxd, xs, xso, ldxs, out)
     elif nt == 5:
-        codes_5x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+        codes_5x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xdo, ldxd, xs, xso, ldxs, out)
     elif nt == 4:
-        codes_4x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+        codes_4x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xdo, ldxd, xs, xso, ldxs, out)
     elif nt == 3:
-        codes_3x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+        codes_3x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xdo, ldxd, xs, xso, ldxs, out)
     elif nt == 2:
-        codes_2x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+        codes_2x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xdo, ldxd, xs, xso, ldxs, out)
     else:
-        codes_1x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xs, xso, ldxs, out)
+        codes_1x16(codes, scale, bias, n_sub, xq, xo, ldx, xd, xdo, ldxd, xs, xso, ldxs, out)
 
 
 @numba.njit(inline="always", nogil=True)
@@ -120,7 +128,7 @@ def tile_times_tokens(sb, words, scale, bias, xq, xd, xs, p0, p1, out, r0, buf, 
     of near-equal size (13 tokens: 7 + 6, not 8 + 4 + 1: a block streams the whole tile once, and its epilogue
     per sub-block costs the same for few tokens as for 8; 1.1-1.6x faster for odd counts, in cache)."""
     k = xq.shape[1]
-    n_sub = xd.shape[1]
+    n_sub, n_ab = xs.shape[1], xd.shape[1]
     xqf, xdf, xsf = xq.reshape(-1), xd.reshape(-1), xs.reshape(-1)
     nr = min(ROWS, out.shape[1] - r0)
     p = p0
@@ -128,7 +136,7 @@ def tile_times_tokens(sb, words, scale, bias, xq, xd, xs, p0, p1, out, r0, buf, 
     while p < p1:
         nt = (p1 - p + blocks - 1) // blocks
         blocks -= 1
-        _block(nt, sb, words, scale, bias, n_sub, xqf, p * k, k, xdf, xsf, p * n_sub, n_sub, buf)
+        _block(nt, sb, words, scale, bias, n_sub, xqf, p * k, k, xdf, p * n_ab, n_ab, xsf, p * n_sub, n_sub, buf)
         for j in range(nt):
             for i in range(nr):
                 out[p + j + shift, r0 + i] = buf[ROWS * j + i]
