@@ -23,7 +23,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import (HAS_VNNI, _array_1d, _byte_array, _data, _dpbusd, _iq2_xs_block, _load, _q4_k_scales_mins,
+from .simd import (_FL, HAS_VNNI, _array_1d, _byte_array, _data, _dpbusd, _iq2_xs_block, _load, _q4_k_scales_mins,
                    _splat, _splat_f, _store)
 
 
@@ -34,7 +34,6 @@ _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
 _V16I = ir.VectorType(_I32, 16)
 _V16F = ir.VectorType(ir.FloatType(), 16)
-_FL = ("reassoc", "nsz", "contract")
 
 
 def _i64(builder, v):
