@@ -29,7 +29,7 @@ from .quant import _check_weights, _format
 from .quant_dispatch import ROW_TASK, _FASTMATH, float_dots, has_fused_dot, has_int_dot
 from .quant_dot import block_sums32
 from .quant_float import BF16, F16, F32
-from .quant_int import quantize_q8_sums
+from .quant_int import q8_activations, quantize_q8_sums
 from .routing import _softmax_topk
 
 FLOAT_TYPES = frozenset({F32, F16, BF16})
@@ -38,13 +38,9 @@ FLOAT_TYPES = frozenset({F32, F16, BF16})
 @numba.njit(inline="always", nogil=True)
 def _q8(x, block, quantized):
     """x's int8 blocks, scales and 16-sums (empty where not quantized)."""
-    n = x.shape[0] if quantized else 0
-    xq = np.empty(n, np.int8)
-    xd = np.empty(n // block, np.float32)
-    xs = np.empty(n // 16, np.int32)
     if quantized:
-        quantize_q8_sums(x, block, xq, xd, xs)
-    return xq, xd, xs
+        return q8_activations(x, block)
+    return np.empty(0, np.int8), np.empty(0, np.float32), np.empty(0, np.int32)
 
 
 @numba.njit(inline="always", nogil=True)
@@ -160,58 +156,77 @@ def has_moe_token(router_type: int, gate_inp_type: int | None, types: tuple[int,
                              and all(types[i] == types[i + 1] for i in range(0, len(types), 3)))
 
 
+class MoETokenCall:
+    """One layer's MoE block for decoded tokens, its weights checked once: ``call(x)`` -> (out, ids, weights) as
+    moe_token returns them. A decoded token's Python runs with cold caches (each layer streams tens of
+    megabytes of weights through them), where the eight weight checks of every call had cost ~60 us a layer.
+
+    router: [n_experts, hidden] rows of a float type. experts: (gate, up, down), 3-D [n_experts, rows, row bytes]
+    (gate/up rows of length hidden, down rows of length ffn); shared: (gate, up, down) as 2-D matrices;
+    gate_inp: [1, hidden]. quantized_activations: ggml's int8 activations and integer dots (see
+    expert_pool.swiglu_experts); has_moe_token says which types this call takes.
+    """
+
+    def __init__(self, router: Projection, k: int, normalize: bool, experts: tuple[Projection, ...],
+                 shared: tuple[Projection, ...] | None = None, gate_inp: Projection | None = None,
+                 quantized_activations: bool = False):
+        (gate, tg), (up, tu), (down, td) = experts
+        if gate.ndim != 3 or up.shape[:2] != gate.shape[:2] or down.ndim != 3 or down.shape[0] != gate.shape[0]:
+            raise ValueError(f"expert tensors must be [n_experts, rows, row bytes] with matching gate/up; got gate "
+                             f"{gate.shape}, up {up.shape}, down {down.shape}")
+        n_experts, ffn, hidden = gate.shape[0], gate.shape[1], down.shape[1]
+        rw, rt = router
+        if rw.ndim != 2 or rw.shape[0] != n_experts:
+            raise ValueError(f"the router must be [{n_experts}, row bytes] (one row per expert), got {rw.shape}")
+        if not 1 <= k <= n_experts:
+            raise ValueError(f"k must be between 1 and the number of experts ({n_experts}), got {k}")
+        projections = [(gate[0], tg, hidden), (up[0], tu, hidden), (down[0], td, ffn), (rw, rt, hidden)]
+        if shared is None:
+            (sg, stg), (su, stu), (sd, std) = ((np.empty((0, w.shape[-1]), np.uint8), t) for w, t in experts)
+        else:
+            (sg, stg), (su, stu), (sd, std) = shared
+            if sg.ndim != 2 or su.shape != sg.shape or sd.ndim != 2 or sd.shape[0] != hidden:
+                raise ValueError(f"the shared expert must be gate/up [ffn, row bytes] and down [{hidden}, row "
+                                 f"bytes]; got {sg.shape}, {su.shape}, {sd.shape}")
+            projections += [(sg, stg, hidden), (su, stu, hidden), (sd, std, sg.shape[0])]
+        gi, it = gate_inp if gate_inp is not None else (np.empty((0, rw.shape[1]), np.uint8), rt)
+        if gate_inp is not None:
+            if gi.ndim != 2 or gi.shape[0] != 1:
+                raise ValueError(f"the shared expert's gate must be one row [1, row bytes], got {gi.shape}")
+            projections.append((gi, it, hidden))
+        for w, t, length in projections:
+            _check_weights(w, _format(t), length)
+            if not w.flags.c_contiguous:
+                raise ValueError("weight tensors must be C-contiguous (as they lie in the file)")
+        types = (tg, tu, td) + ((stg, stu, std) if shared is not None else ())
+        if not has_moe_token(rt, it if gate_inp is not None else None, types, quantized_activations):
+            raise ValueError("moe_token needs a float router and shared-expert gate (F32, F16, BF16) and, with "
+                             "quantized activations, integer dots for every expert projection and gate and up of "
+                             "one type (see has_moe_token)")
+        blocks = np.array([max(1, _format(t).act_block) for t in (tg, td, stg, std)], np.int64)
+        self.hidden, self.k = hidden, k
+        self._weights = (int(rt), rw, int(it), gi, bool(normalize), int(tg), gate, int(tu), up, int(td), down,
+                         int(stg), sg, int(stu), su, int(std), sd)
+        self._quantized, self._blocks = bool(quantized_activations), blocks
+
+    def __call__(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(out, ids, weights) for x float32 [hidden]."""
+        if not (isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.c_contiguous):
+            x = np.ascontiguousarray(x, np.float32)
+        if x.shape != (self.hidden,):
+            raise ValueError(f"x must be float32 [{self.hidden}], got {x.shape}")
+        ids = np.empty(self.k, np.int64)
+        weights = np.empty(self.k, np.float32)
+        out = np.zeros(self.hidden, np.float32)
+        _moe_token(*self._weights, x, self._quantized, self._blocks, ids, weights, out)
+        return out, ids, weights
+
+
 def moe_token(x: np.ndarray, router: Projection, k: int, normalize: bool, experts: tuple[Projection, ...],
               shared: tuple[Projection, ...] | None = None, gate_inp: Projection | None = None,
               quantized_activations: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One token's MoE block: returns (out, ids, weights), out [hidden] = sum_j weights[j] * SwiGLU expert ids[j]
     of x + the shared expert (scaled by sigmoid(gate_inp . x) where gate_inp is given), ids/weights the router's
-    softmax top-k (renormalised to sum 1 where normalize), as route_softmax_topk gives them.
-
-    x: float32 [hidden]. router: [n_experts, hidden] rows of a float type. experts: (gate, up, down), 3-D
-    [n_experts, rows, row bytes] (gate/up rows of length hidden, down rows of length ffn); shared: (gate, up,
-    down) as 2-D matrices; gate_inp: [1, hidden]. quantized_activations: ggml's int8 activations and integer
-    dots (see expert_pool.swiglu_experts); has_moe_token says which types this call takes.
-    """
-    (gate, tg), (up, tu), (down, td) = experts
-    if gate.ndim != 3 or up.shape[:2] != gate.shape[:2] or down.ndim != 3 or down.shape[0] != gate.shape[0]:
-        raise ValueError(f"expert tensors must be [n_experts, rows, row bytes] with matching gate/up; got gate "
-                         f"{gate.shape}, up {up.shape}, down {down.shape}")
-    n_experts, ffn, hidden = gate.shape[0], gate.shape[1], down.shape[1]
-    x = np.ascontiguousarray(x, np.float32)
-    if x.shape != (hidden,):
-        raise ValueError(f"x must be float32 [{hidden}], got {x.shape}")
-    rw, rt = router
-    if rw.ndim != 2 or rw.shape[0] != n_experts:
-        raise ValueError(f"the router must be [{n_experts}, row bytes] (one row per expert), got {rw.shape}")
-    if not 1 <= k <= n_experts:
-        raise ValueError(f"k must be between 1 and the number of experts ({n_experts}), got {k}")
-    projections = [(gate[0], tg, hidden), (up[0], tu, hidden), (down[0], td, ffn), (rw, rt, hidden)]
-    if shared is None:
-        (sg, stg), (su, stu), (sd, std) = ((np.empty((0, w.shape[-1]), np.uint8), t) for w, t in experts)
-    else:
-        (sg, stg), (su, stu), (sd, std) = shared
-        if sg.ndim != 2 or su.shape != sg.shape or sd.ndim != 2 or sd.shape[0] != hidden:
-            raise ValueError(f"the shared expert must be gate/up [ffn, row bytes] and down [{hidden}, row bytes]; "
-                             f"got {sg.shape}, {su.shape}, {sd.shape}")
-        projections += [(sg, stg, hidden), (su, stu, hidden), (sd, std, sg.shape[0])]
-    gi, it = gate_inp if gate_inp is not None else (np.empty((0, rw.shape[1]), np.uint8), rt)
-    if gate_inp is not None:
-        if gi.ndim != 2 or gi.shape[0] != 1:
-            raise ValueError(f"the shared expert's gate must be one row [1, row bytes], got {gi.shape}")
-        projections.append((gi, it, hidden))
-    for w, t, length in projections:
-        _check_weights(w, _format(t), length)
-        if not w.flags.c_contiguous:
-            raise ValueError("weight tensors must be C-contiguous (as they lie in the file)")
-    types = (tg, tu, td) + ((stg, stu, std) if shared is not None else ())
-    if not has_moe_token(rt, it if gate_inp is not None else None, types, quantized_activations):
-        raise ValueError("moe_token needs a float router and shared-expert gate (F32, F16, BF16) and, with "
-                         "quantized activations, integer dots for every expert projection and gate and up of one "
-                         "type (see has_moe_token)")
-    blocks = np.array([max(1, _format(t).act_block) for t in (tg, td, stg, std)], np.int64)
-    ids = np.empty(k, np.int64)
-    weights = np.empty(k, np.float32)
-    out = np.zeros(hidden, np.float32)
-    _moe_token(int(rt), rw, int(it), gi, bool(normalize), int(tg), gate, int(tu), up, int(td), down, int(stg), sg,
-               int(stu), su, int(std), sd, x, bool(quantized_activations), blocks, ids, weights, out)
-    return out, ids, weights
+    softmax top-k (renormalised to sum 1 where normalize), as route_softmax_topk gives them. x: float32 [hidden];
+    the weights as MoETokenCall takes them (a layer decoding many tokens keeps one MoETokenCall instead)."""
+    return MoETokenCall(router, k, normalize, experts, shared, gate_inp, quantized_activations)(x)

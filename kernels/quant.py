@@ -14,6 +14,7 @@ few tokens or more then run on the weights' integer codes where the CPU has AVX-
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,22 +99,14 @@ def dequantize(data: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.n
     fmt = _format(ggml_type)
     shape = tuple(int(s) for s in shape)
     k = shape[-1]
-    n_rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
+    n_rows = math.prod(shape[:-1])
     w = np.ascontiguousarray(data).reshape(-1).view(np.uint8).reshape(n_rows, -1)
     _check_weights(w, fmt, k)
     out = np.empty((n_rows, k), np.float32)
-    quant_dispatch.dequant_rows(fmt.ggml_type, w, out)
+    # A decoded token's embedding row on the calling thread: waking the workers would cost more than the row.
+    activations.by_size(out.size, quant_dispatch.dequant_rows_serial, quant_dispatch.dequant_rows)(fmt.ggml_type,
+                                                                                                 w, out)
     return out.reshape(shape)
-
-
-def quantize_q8_blocks(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """ggml's int8 activations of x [k] (Q8_0 for block 32, Q8_K for 256): codes, block scales and the codes'
-    16-sums (what the integer dots take)."""
-    xq = np.empty(x.shape[0], np.int8)
-    xd = np.empty(x.shape[0] // block, np.float32)
-    xs16 = np.empty(x.shape[0] // 16, np.int32)
-    quant_int.quantize_q8_sums(x, block, xq, xd, xs16)
-    return xq, xd, xs16
 
 
 def quantize_activations(x: np.ndarray, ggml_type: int) -> np.ndarray:
@@ -141,7 +134,7 @@ def matvec(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool = False
     if act_quant and quant_dispatch.has_int_dot(fmt.ggml_type):
         # ggml's numerics at integer speed: int8 activations times the weight codes.
         kernel = quant_dispatch.matvec_int_serial if serial else quant_dispatch.matvec_int
-        kernel(fmt.ggml_type, w, *quantize_q8_blocks(x, fmt.act_block), out)
+        kernel(fmt.ggml_type, w, x, fmt.act_block, out)
         return out
     if act_quant:
         x = quantize_activations(x, ggml_type)
@@ -185,4 +178,4 @@ def matmul(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool = False
 
 
 # The format families register themselves on import; quant_dispatch imports them all.
-from . import quant_dispatch, quant_int, tile_threads  # noqa: E402
+from . import activations, quant_dispatch, quant_int, tile_threads  # noqa: E402

@@ -17,7 +17,7 @@ from .quant_k import (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, dequant_q2_k, dequant_q3_k, 
 from .quant_legacy import (Q2_0, Q4_0, Q4_1, Q5_0, Q5_1, dequant_q2_0, dequant_q4_0, dequant_q4_1, dequant_q5_0,
                            dequant_q5_1, dot_q2_0)
 from .quant_dot import block_sums32, dot_q4_k, dot_q6_k, dot_q8_0
-from .quant_int import idot_q2_0, idot_q2_k, idot_q4_k, idot_q6_k, idot_q8_0
+from .quant_int import idot_q2_0, idot_q2_k, idot_q4_k, idot_q6_k, idot_q8_0, q8_activations
 from .simd import fdot_f32_64, prefetch_l2
 from .quant_nl import IQ4_NL, IQ4_XS, MXFP4, dequant_iq4_nl, dequant_iq4_xs, dequant_mxfp4
 from .quant_q8 import Q8_0, dequant_q8_0
@@ -266,13 +266,19 @@ def _matvec_int_rows(t, w, xq, xd, xs16, out):
         int_dots(t, w, ROW_TASK * c, min(w.shape[0], ROW_TASK * (c + 1)), xq, xd, xs16, out, ROW_TASK * c)
 
 
+# The integer matrix-vector products round their float activations themselves (ggml's blocks of `block` values,
+# quant_int): one kernel call from Python per product instead of two, and no arrays made in Python. A decoded
+# token's Python runs with cold caches (each product streams megabytes through them), where every Python step
+# costs a few microseconds.
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
-def matvec_int(t, w, xq, xd, xs16, out):
-    """out = W @ x for a has_int_dot type, x given quantized (see quant_int)."""
+def matvec_int(t, w, x, block, out):
+    """out = W @ x for a has_int_dot type, x float32 rounded to int8 blocks as ggml does (quant_int)."""
+    xq, xd, xs16 = q8_activations(x, block)
     _matvec_int_rows(t, w, xq, xd, xs16, out)
 
 
 @numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)
-def matvec_int_serial(t, w, xq, xd, xs16, out):
+def matvec_int_serial(t, w, x, block, out):
     """matvec_int on the calling thread (small matrices)."""
+    xq, xd, xs16 = q8_activations(x, block)
     _matvec_int_rows(t, w, xq, xd, xs16, out)

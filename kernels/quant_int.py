@@ -105,6 +105,16 @@ def quantize_q8_sums(x, block, xq, xd, xs16):
     sums16(xq, xs16)
 
 
+@numba.njit(inline="always", nogil=True)
+def q8_activations(x, block):
+    """x's int8 codes, block scales and code 16-sums in new arrays (quantize_q8_sums)."""
+    xq = np.empty(x.shape[0], np.int8)
+    xd = np.empty(x.shape[0] // block, np.float32)
+    xs16 = np.empty(x.shape[0] // 16, np.int32)
+    quantize_q8_sums(x, block, xq, xd, xs16)
+    return xq, xd, xs16
+
+
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def idot_q8_0(src, xq, xd, xs16):
     """One Q8_0 row (fp16 d, 32 int8 per block) times Q8_0 activations."""

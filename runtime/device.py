@@ -63,6 +63,9 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
+_NOT_MADE = object()  # a cache miss, where None is a cached "no fused path"
+
+
 class HostDevice:
     name = "host"
 
@@ -74,6 +77,7 @@ class HostDevice:
         self.threads = threads if threads is not None else min(physical_cores(), numba.config.NUMBA_NUM_THREADS)
         # Round activations as ggml does before its integer dot products (to compare with llama.cpp).
         self.quantized_activations = quantized_activations
+        self._moe_calls: dict[tuple, fused_moe.MoETokenCall | None] = {}
 
     def activate(self) -> None:
         # Numba's thread count is per calling thread, so it is set by whichever thread runs the model.
@@ -99,15 +103,24 @@ class HostDevice:
     def moe_token(self, x: np.ndarray, router: QTensor, k: int, normalize: bool, experts: tuple[QTensor, ...],
                   shared: tuple[QTensor, ...] | None, gate_inp: QTensor | None
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        # Each layer's block is checked once and kept (weights are immutable views of the file).
+        key = (router, k, normalize, experts, shared, gate_inp)
+        call = self._moe_calls.get(key, _NOT_MADE)
+        if call is _NOT_MADE:
+            call = self._moe_calls[key] = self._moe_call(router, k, normalize, experts, shared, gate_inp)
+        return None if call is None else call(x)
+
+    def _moe_call(self, router: QTensor, k: int, normalize: bool, experts: tuple[QTensor, ...],
+                  shared: tuple[QTensor, ...] | None, gate_inp: QTensor | None) -> fused_moe.MoETokenCall | None:
         projections = experts + (shared or ())
         if not fused_moe.has_moe_token(router.ggml_type, gate_inp.ggml_type if gate_inp is not None else None,
                                        tuple(w.ggml_type for w in projections), self.quantized_activations):
             return None
         pairs = [(w.data, w.ggml_type) for w in projections]
-        return fused_moe.moe_token(x, (router.data, router.ggml_type), k, normalize, tuple(pairs[:3]),
-                                   tuple(pairs[3:]) if shared else None,
-                                   (gate_inp.data, gate_inp.ggml_type) if gate_inp is not None else None,
-                                   self.quantized_activations)
+        return fused_moe.MoETokenCall((router.data, router.ggml_type), k, normalize, tuple(pairs[:3]),
+                                      tuple(pairs[3:]) if shared else None,
+                                      (gate_inp.data, gate_inp.ggml_type) if gate_inp is not None else None,
+                                      self.quantized_activations)
 
     def swiglu_experts_grouped(self, x: np.ndarray, gate: QTensor, up: QTensor, down: QTensor,
                                pair_tokens: np.ndarray, group_experts: np.ndarray,
