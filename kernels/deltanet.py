@@ -18,8 +18,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .activations import ELEMENTWISE_MATH, by_size, sigmoid_f32
+from .activations import ELEMENTWISE_MATH, _mul_sigmoid, by_size, sigmoid_f32
 from .checks import require_array, require_positive
+from .norms import _gated_rmsnorm_rows, _l2norm_rows, _rmsnorm_rows
 from .simd import flush_subnormals
 from .small_matmul import FASTMATH, matmul_nt
 
@@ -293,3 +294,83 @@ def gated_delta_rule_chunked(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.
     out = np.empty_like(v)
     _gated_delta_rule_chunked(q, k, v, g, beta, state, _scale(q.shape[2], scale), int(chunk), out)
     return out
+
+
+# One decoded token's mixer between its projections, in one compiled call: the steps above (convolution, q/k L2
+# norms, gates, recurrent rule, gated norm) called in turn, so the bits are theirs. Done from Python, the six
+# calls and the reshapes and copies between them had cost ~0.1-0.2 ms a layer: a decoded token's Python runs
+# with cold caches, each layer streaming megabytes of weights through them.
+@numba.njit(nogil=True, cache=True)
+def _decode_step(qkv, z, ba, fused_ba, conv_state, conv_w, ssm_a, dt_bias, state, norm_w, eps, hk, dk, hv, dv,
+                 tiled, silu_gate, scale, out):
+    r = hv // hk
+    mixed = np.empty(qkv.shape[0], np.float32)
+    _causal_conv1d_silu(qkv.reshape(1, -1), conv_state, conv_w, mixed.reshape(1, -1))
+    qk = np.empty((2 * hk, dk), np.float32)  # q heads, then k heads
+    _l2norm_rows(mixed[:2 * hk * dk].reshape(2 * hk, dk), 1e-6, qk)
+    kq = hv if tiled else hk  # tiled: each value head gets its own copy of its key head (h % hk)
+    q = np.empty((1, kq, dk), np.float32)
+    k = np.empty((1, kq, dk), np.float32)
+    for h in range(kq):
+        src = h % hk
+        q[0, h] = qk[src]
+        k[0, h] = qk[hk + src]
+    v = mixed[2 * hk * dk:].reshape(1, hv, dv)
+    b = np.empty((1, hv), np.float32)
+    a = np.empty((1, hv), np.float32)
+    for h in range(hv):  # fused ba: per key head, its r betas then its r alphas
+        b[0, h] = ba[(h // r) * 2 * r + h % r] if fused_ba else ba[h]
+        a[0, h] = ba[(h // r) * 2 * r + r + h % r] if fused_ba else ba[hv + h]
+    g = np.empty((1, hv), np.float32)
+    beta = np.empty((1, hv), np.float32)
+    _gdn_gates(a, b, ssm_a, dt_bias, g, beta)
+    o = np.empty((1, hv, dv), np.float32)
+    _gated_delta_rule_recurrent(q, k, v, g, beta, state, scale, o)
+    rows, zr, outr = o.reshape(hv, dv), z.reshape(hv, dv), out.reshape(hv, dv)
+    if silu_gate:
+        _gated_rmsnorm_rows(rows, zr, norm_w, eps, outr)
+    else:
+        normed = np.empty((hv, dv), np.float32)
+        _rmsnorm_rows(rows, norm_w, eps, normed)
+        _mul_sigmoid(normed.reshape(-1), z, out)
+
+
+class DecodeStep:
+    """A DeltaNet layer's mixer for one decoded token between its input and output projections, its weights checked
+    once: ``step(qkv, z, ba, conv_state, state)`` -> the gated, normed rule output [hv * dv] (what the output
+    projection takes), advancing conv_state and state as causal_conv1d and gated_delta_rule_recurrent do.
+
+    qkv [2 hk dk + hv dv]: the input projection's q, k, v channels; z [hv dv]: its gate; ba: the b/a projection,
+    fused_ba: as ssm_ba stores it (per key head its hv/hk betas then as many alphas), else the betas [hv] then the
+    alphas [hv]. conv_w [channels, kernel], ssm_a and dt_bias [hv], norm_w [dv]: as GGUF stores them. tiled: value
+    head h reads key head h % hk (else h // (hv / hk)); silu_gate: rmsnorm(o) * w * silu(z), else
+    rmsnorm(o) * w * sigmoid(z).
+    """
+
+    def __init__(self, conv_w: np.ndarray, ssm_a: np.ndarray, dt_bias: np.ndarray, norm_w: np.ndarray, eps: float,
+                 hk: int, dk: int, hv: int, dv: int, fused_ba: bool, tiled: bool, silu_gate: bool,
+                 scale: float | None = None):
+        require_positive("key heads", hk)
+        if hv % hk:
+            raise ValueError(f"value heads ({hv}) must be a multiple of key heads ({hk})")
+        self.channels = 2 * hk * dk + hv * dv
+        require_array("conv weight", conv_w, (self.channels, None))
+        require_positive("conv kernel size", conv_w.shape[1])
+        for name, a, n in (("ssm_a", ssm_a, hv), ("dt_bias", dt_bias, hv), ("norm weight", norm_w, dv)):
+            require_array(name, a, (n,))
+        self.hv, self.dk, self.dv, self.kernel = hv, dk, dv, conv_w.shape[1]
+        self._fused_ba = bool(fused_ba)
+        self._args = (conv_w, ssm_a, dt_bias)
+        self._rest = (norm_w, float(eps), hk, dk, hv, dv, bool(tiled), bool(silu_gate), _scale(dk, scale))
+
+    def __call__(self, qkv: np.ndarray, z: np.ndarray, ba: np.ndarray, conv_state: np.ndarray,
+                 state: np.ndarray) -> np.ndarray:
+        hv, dv = self.hv, self.dv
+        require_array("qkv", qkv, (self.channels,))
+        require_array("z", z, (hv * dv,))
+        require_array("ba", ba, (2 * hv,))
+        require_array("conv_state", conv_state, (self.kernel - 1, self.channels), writable=True)
+        require_array("state", state, (hv, self.dk, dv), writable=True)
+        out = np.empty(hv * dv, np.float32)
+        _decode_step(qkv, z, ba, self._fused_ba, conv_state, *self._args, state, *self._rest, out)
+        return out

@@ -11,7 +11,7 @@ A prompt chunk runs the chunked delta rule, a single decode token the recurrent 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -92,6 +92,17 @@ class DeltaNetWeights:
     out: QTensor  # [hidden, value_dim]
     beta: QTensor | None = None  # [v_heads, hidden]: files that store b and a apart instead of ``ba``
     alpha: QTensor | None = None  # [v_heads, hidden]
+    _steps: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def decode_step(self, shape: DeltaNetShape, eps: float) -> deltanet.DecodeStep:
+        """The decode mixer's compiled step for this layer (made once: its weights are checked then)."""
+        step = self._steps.get((shape, eps))
+        if step is None:
+            s = shape
+            step = self._steps[(shape, eps)] = deltanet.DecodeStep(
+                self.conv, self.ssm_a, self.dt_bias, self.norm, eps, s.n_k_heads, s.k_dim, s.n_v_heads, s.v_dim,
+                fused_ba=self.ba is not None, tiled=s.v_head_order == "tiled", silu_gate=s.gate == "silu")
+        return step
 
 
 def gated_deltanet(dev: Device, x: np.ndarray, w: DeltaNetWeights, shape: DeltaNetShape,
@@ -100,6 +111,12 @@ def gated_deltanet(dev: Device, x: np.ndarray, w: DeltaNetWeights, shape: DeltaN
     n = x.shape[0]
     s = shape
     qkv, z = w.in_proj(dev, x)
+    if n == 1:  # decode: the mixer between the projections in one compiled call
+        ba = dev.linear(x, w.ba)[0] if w.ba is not None else np.concatenate(
+            [dev.linear(x, w.beta)[0], dev.linear(x, w.alpha)[0]])
+        o = w.decode_step(s, eps)(np.ascontiguousarray(qkv[0]), np.ascontiguousarray(z[0]), ba, state.conv,
+                                  state.recurrent)
+        return dev.linear(o[None, :], w.out)
     if w.ba is not None:
         ba = dev.linear(x, w.ba).reshape(n, s.n_k_heads, 2, s.n_v_heads // s.n_k_heads)
         b = np.ascontiguousarray(ba[:, :, 0].reshape(n, s.n_v_heads))

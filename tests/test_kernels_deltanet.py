@@ -261,3 +261,47 @@ def test_deltanet_kernels_reject_bad_arguments(rng):
         causal_conv1d(randn(rng, 2, 8), randn(rng, 4, 8), randn(rng, 8, 4))
     with pytest.raises(ValueError, match="C-contiguous"):
         causal_conv1d(randn(rng, 8, 2).T, randn(rng, 3, 8), randn(rng, 8, 4))
+
+
+@pytest.mark.parametrize("fused_ba", [True, False], ids=["ba", "b-a"])
+@pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
+@pytest.mark.parametrize("silu_gate", [True, False], ids=["silu", "sigmoid"])
+def test_decode_step_matches_float64_composition(rng, fused_ba, tiled, silu_gate):
+    """DecodeStep (a decoded token's mixer between its projections in one call) == the float64 references composed
+    as the layer does, token after token from carried states: convolution, q/k L2 norms, gates from the b/a
+    projection (ssm_ba's per-key-head layout or betas then alphas), the rule with value head h reading key head
+    h // (hv / hk) or h % hk, the gated norm (silu or sigmoid gate)."""
+    from strata_async.kernels.deltanet import DecodeStep
+    from strata_async.kernels.reference import rmsnorm_ref, gated_rmsnorm_ref, l2norm_ref
+
+    hk, hv, dk, dv, kernel, eps = 2, 6, 16, 8, 4, 1e-6
+    r, channels = hv // hk, 2 * hk * dk + hv * dv
+    conv_w = randn(rng, channels, kernel, scale=0.5)
+    ssm_a = -np.exp(rng.uniform(np.log(0.01), np.log(16.0), hv)).astype(np.float32)
+    dt_bias, norm_w = randn(rng, hv), randn(rng, dv)
+    step = DecodeStep(conv_w, ssm_a, dt_bias, norm_w, eps, hk, dk, hv, dv, fused_ba, tiled, silu_gate)
+    conv_state, state = randn(rng, kernel - 1, channels), randn(rng, hv, dk, dv, scale=0.5)
+    ref_conv, ref_state = conv_state.astype(np.float64), state.astype(np.float64)
+    key_of = np.arange(hv) % hk if tiled else np.arange(hv) // r
+    for _ in range(3):
+        qkv, z, b, a = randn(rng, channels), randn(rng, hv * dv), randn(rng, hv, scale=2.0), randn(rng, hv, scale=2.0)
+        ba = (np.stack([b.reshape(hk, r), a.reshape(hk, r)], axis=1).reshape(-1) if fused_ba
+              else np.concatenate([b, a]))
+        out = step(qkv, z, ba, conv_state, state)
+
+        mixed, ref_conv = causal_conv1d_ref(qkv[None], ref_conv, conv_w)
+        q = l2norm_ref(mixed[:, :hk * dk].reshape(1, hk, dk))[:, key_of]
+        k = l2norm_ref(mixed[:, hk * dk:2 * hk * dk].reshape(1, hk, dk))[:, key_of]
+        g, beta = gdn_gates_ref(a[None], b[None], ssm_a, dt_bias)
+        o, ref_state = gated_delta_rule_ref(q, k, mixed[:, 2 * hk * dk:].reshape(1, hv, dv), g, beta, ref_state)
+        zz = z.reshape(1, hv, dv).astype(np.float64)
+        expected = (gated_rmsnorm_ref(o, zz, norm_w, eps) if silu_gate
+                    else rmsnorm_ref(o, norm_w, eps) / (1 + np.exp(-zz))).reshape(-1)
+        np.testing.assert_allclose(out, expected, rtol=0, atol=F64_TOL * max(1.0, np.abs(expected).max()))
+        np.testing.assert_allclose(state, ref_state, rtol=0, atol=F64_TOL)
+        np.testing.assert_allclose(conv_state, ref_conv, rtol=0, atol=1e-7)
+    with pytest.raises(ValueError, match=r"ba must have shape \[12\]"):
+        step(qkv, z, ba[:6].copy(), conv_state, state)
+    with pytest.raises(ValueError, match="multiple of key heads"):
+        DecodeStep(conv_w, ssm_a[:5].copy(), dt_bias[:5].copy(), norm_w, eps, hk, dk, 5, dv, fused_ba, tiled,
+                   silu_gate)
