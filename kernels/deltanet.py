@@ -300,14 +300,14 @@ def gated_delta_rule_chunked(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.
 # norms, gates, recurrent rule, gated norm) called in turn, so the bits are theirs. Done from Python, the six
 # calls and the reshapes and copies between them had cost ~0.1-0.2 ms a layer: a decoded token's Python runs
 # with cold caches, each layer streaming megabytes of weights through them.
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def _decode_step(qkv, z, ba, fused_ba, conv_state, conv_w, ssm_a, dt_bias, state, norm_w, eps, hk, dk, hv, dv,
                  tiled, silu_gate, scale, out):
     r = hv // hk
     mixed = np.empty(qkv.shape[0], np.float32)
     _causal_conv1d_silu(qkv.reshape(1, -1), conv_state, conv_w, mixed.reshape(1, -1))
     qk = np.empty((2 * hk, dk), np.float32)  # q heads, then k heads
-    _l2norm_rows(mixed[:2 * hk * dk].reshape(2 * hk, dk), 1e-6, qk)
+    _l2norm_rows(mixed[:2 * hk * dk].reshape(2 * hk, dk), 1e-6, qk)  # norms.l2norm's eps, as the prompt path
     kq = hv if tiled else hk  # tiled: each value head gets its own copy of its key head (h % hk)
     q = np.empty((1, kq, dk), np.float32)
     k = np.empty((1, kq, dk), np.float32)

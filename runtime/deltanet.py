@@ -92,7 +92,7 @@ class DeltaNetWeights:
     out: QTensor  # [hidden, value_dim]
     beta: QTensor | None = None  # [v_heads, hidden]: files that store b and a apart instead of ``ba``
     alpha: QTensor | None = None  # [v_heads, hidden]
-    _steps: dict = field(default_factory=dict, repr=False, compare=False)
+    _steps: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # decode_step's, by shape
 
     def decode_step(self, shape: DeltaNetShape, eps: float) -> deltanet.DecodeStep:
         """The decode mixer's compiled step for this layer (made once: its weights are checked then)."""
