@@ -25,7 +25,7 @@ from .int_matmul import TokenCodes, quantize_tokens, use_codes
 from .quant import _check_weights, _format, activation_block, quantize_activations
 from .quant_dispatch import ROW_TASK, _FASTMATH, dequant_row, float_dots, has_fused_dot, has_int_dot, int_dots
 from .quant_dot import block_sums32
-from .quant_int import quantize_q8_sums
+from .quant_int import q8_activations, quantize_q8_sums
 from .small_matmul import matmul_nt_regs
 
 
@@ -131,10 +131,7 @@ def _swiglu_experts_int(tg, gate, tu, up, td, down, x, x_block, h_block, ids, we
     k = ids.shape[0]
     ffn = gate.shape[1]
     hidden = down.shape[1]
-    xq = np.empty(x.shape[0], np.int8)
-    xd = np.empty(x.shape[0] // x_block, np.float32)
-    xs = np.empty(x.shape[0] // 16, np.int32)
-    quantize_q8_sums(x, x_block, xq, xd, xs)
+    xq, xd, xs = q8_activations(x, x_block)
     h = np.empty((k, ffn), np.float32)
     per_expert = (ffn + ROW_TASK - 1) // ROW_TASK
     u = np.empty((k * per_expert, ROW_TASK), np.float32)  # each task's up products

@@ -100,7 +100,7 @@ def sums16(xq, out):
 
 @numba.njit(nogil=True, cache=True, fastmath=False)
 def quantize_q8_sums(x, block, xq, xd, xs16):
-    """quantize_q8 then sums16 of the codes: what the integer dots take, in one call from Python."""
+    """quantize_q8 then sums16 of the codes: what the integer dots take."""
     quantize_q8(x, block, xq, xd)
     sums16(xq, xs16)
 
