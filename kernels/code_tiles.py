@@ -34,6 +34,9 @@ from .simd_gemm import (ROWS, crumb_codes64, interleave16, iq2_xs_codes256, iq2_
 
 # Types with a code tile, and their sub-block length (values per scale and bias).
 SUB_BLOCK = {Q8_0: 32, Q4_K: 32, Q2_0: 32, Q6_K: 16, Q2_K: 16, IQ2_XS: 16}
+# Types whose codes are their values plus a constant offset (bias = -offset * scale), which the products take off
+# the integer sums (int_matmul.TokenCodes); Q4_K's and Q2_K's biases come from their mins.
+CODE_OFFSET = {Q8_0: 128, Q2_0: 1, Q6_K: 32, IQ2_XS: 43}
 
 
 @numba.njit(nogil=True, cache=True, fastmath=False)

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
-from .code_tiles import SUB_BLOCK, chunk_values, decode_tile, sub_block
+from .code_tiles import CODE_OFFSET, SUB_BLOCK, chunk_values, decode_tile, sub_block
 from .quant_int import quantize_q8_sums
 from .simd_gemm import (HAS_VNNI, ROWS, codes_1x16, codes_1x32, codes_2x16, codes_2x32, codes_3x16, codes_3x32,
                         codes_4x16, codes_4x32, codes_5x16, codes_5x32, codes_6x16, codes_6x32, codes_7x16, codes_7x32,
@@ -33,18 +33,20 @@ def use_codes(t: int, k: int) -> bool:
 
 
 class TokenCodes(NamedTuple):
-    """Tokens' activations rounded for one weight type: q int8 [n, k]; d and s float32. Sub-blocks of 32 (Q8_0,
-    Q4_K, Q2_0): d [n, k / 32] the activation scale of each sub-block, s [n, k / 32] that scale times the
-    sub-block's code sum. Sub-blocks of 16 (Q6_K, Q2_K, IQ2_XS): d [n, k / 256] the scale of each Q8_K block, s
-    [n, k / 16] the sub-blocks' code sums, so the products multiply by a block's scale once
-    (simd_gemm.codes_block)."""
+    """Tokens' activations rounded for one weight type: q int8 [n, k]; d float32; s the sub-blocks' code sums.
+    Sub-blocks of 32 (Q8_0, Q4_K, Q2_0): d [n, k / 32] the activation scale of each sub-block. Sub-blocks of 16
+    (Q6_K, Q2_K, IQ2_XS): d [n, k / 256] the scale of each Q8_K block, so the products multiply by a block's scale
+    once (simd_gemm.codes_block). s [n, k / sb]: for types whose codes are offset (code_tiles.CODE_OFFSET: bias =
+    -offset * scale) int32 -offset times the sub-block's code sum, which the products start their integer sums
+    from (no bias term); for the others (Q4_K, Q2_K: biases from their mins) float32, the code sum times the
+    sub-block's activation scale (sub-blocks of 32) or the code sum itself (16)."""
     q: np.ndarray
     d: np.ndarray
     s: np.ndarray
 
 
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=False)
-def _quantize_tokens(x, act_block, sb, xq, xd, xs):
+def _quantize_tokens(x, act_block, sb, offset, xq, xd, xs):
     n, k = x.shape
     for p in numba.prange(n):
         d_act = np.empty(k // act_block, np.float32)
@@ -54,11 +56,14 @@ def _quantize_tokens(x, act_block, sb, xq, xd, xs):
             s = np.int32(0)
             for h in range(sb // 16):
                 s += xs16[j * sb // 16 + h]
-            if sb == 16:
+            d = d_act[j * sb // act_block]
+            if sb == 32:
+                xd[p, j] = d
+            if offset:
+                xs[p, j] = -offset * s
+            elif sb == 16:
                 xs[p, j] = np.float32(s)
             else:
-                d = d_act[j * sb // act_block]
-                xd[p, j] = d
                 xs[p, j] = d * np.float32(s)
         if sb == 16:
             xd[p, :] = d_act
@@ -66,12 +71,12 @@ def _quantize_tokens(x, act_block, sb, xq, xd, xs):
 
 def quantize_tokens(x: np.ndarray, t: int, act_block: int) -> TokenCodes:
     """x float32 [n, k] rounded to int8 blocks of act_block (ggml's Q8_0 or Q8_K rounding) for type t."""
-    sb = SUB_BLOCK[t]
+    sb, offset = SUB_BLOCK[t], CODE_OFFSET.get(t, 0)
     n, k = x.shape
     q = np.empty((n, k), np.int8)
     d = np.empty((n, k // (act_block if sb == 16 else sb)), np.float32)
-    s = np.empty((n, k // sb), np.float32)
-    _quantize_tokens(np.ascontiguousarray(x, np.float32), act_block, sb, q, d, s)
+    s = np.empty((n, k // sb), np.int32 if offset else np.float32)
+    _quantize_tokens(np.ascontiguousarray(x, np.float32), act_block, sb, offset, q, d, s)
     return TokenCodes(q, d, s)
 
 

@@ -45,22 +45,28 @@ def codes_block(nt: int, sb: int, vnni: bool = HAS_VNNI):
     for the nt tokens t (nt x 16 float32 accumulators stay in registers for the whole row length).
 
     codes uint8 [n_sub * sb * 16] interleaved as above; scale, bias float32 [n_sub * 16] (sub-block-major);
-    xq int8: token t's codes at xo + t * ldx; xd, xs float32 at xdo + t * ldxd and xso + t * ldxs: token t's
-    activations as int_matmul.TokenCodes holds them for sub-blocks of sb; out float32 [nt * 16].
+    xq int8: token t's codes at xo + t * ldx; xd, xs at xdo + t * ldxd and xso + t * ldxs: token t's activations
+    as int_matmul.TokenCodes holds them for sub-blocks of sb; out float32 [nt * 16].
 
     Sub-blocks of 16 (Q6_K, Q2_K, IQ2_XS: 16 of them per 256-value Q8_K activation block; xd one scale per
-    activation block, xs the sub-blocks' code sums) sum scale * isum + bias * code sum over the activation block
-    and multiply by its scale once: three float operations per sub-block and token instead of four, ~10% faster
-    products in the cache. Sub-blocks of 32 (xd the activation scale of each sub-block, xs that scale times the
-    code sum) take it per sub-block: Q8_0's activation blocks are its sub-blocks, and the factored form was
-    3-30% slower there (a loop level over one sub-block), Q4_K's 1-3% faster only."""
+    activation block) sum the sub-blocks' float terms over the activation block and multiply by its scale once
+    (~10% faster products in the cache than per sub-block). Sub-blocks of 32 (xd the activation scale of each
+    sub-block) take it per sub-block: Q8_0's activation blocks are its sub-blocks, and the factored form was
+    3-30% slower there (a loop level over one sub-block), Q4_K's 1-3% faster only.
+
+    With int32 xs (codes offset from their values: -offset times the code sums) each integer sum starts from it
+    and the bias is not used: scale * (sum c q - offset * sum q) is the sub-block's sum, one float multiply-add
+    per sub-block and token instead of two (a 16 x 2048 IQ2_XS tile times 8 tokens in cache: 149 -> 179 G
+    multiply-adds a second). With float32 xs (types with mins: their code sums, times the activation scale for
+    sub-blocks of 32) the bias term is a multiply-add of its own."""
 
     @intrinsic
     def block(typingctx, codes, scale, bias, n_sub, xq, xo, ldx, xd, xdo, ldxd, xs, xso, ldxs, out):
         if not (_array_1d(codes, types.uint8) and _array_1d(scale, types.float32) and _array_1d(bias, types.float32)
-                and _array_1d(xq, types.int8) and _array_1d(xd, types.float32) and _array_1d(xs, types.float32)
-                and _array_1d(out, types.float32)):
+                and _array_1d(xq, types.int8) and _array_1d(xd, types.float32)
+                and _array_1d(xs, types.float32, types.int32) and _array_1d(out, types.float32)):
             return None
+        folded = xs.dtype == types.int32
 
         def codegen(context, builder, sig, args):
             (codes_v, scale_v, bias_v, n_sub_v, xq_v, xo_v, ldx_v, xd_v, xdo_v, ldxd_v, xs_v, xso_v, ldxs_v,
@@ -82,9 +88,15 @@ def codes_block(nt: int, sb: int, vnni: bool = HAS_VNNI):
             accs = [cgutils.alloca_once_value(builder, fzero) for _ in range(nt)]
             blks = [cgutils.alloca_once_value(builder, fzero) for _ in range(nt)]
 
+            def xs_at(t, j):
+                return builder.load(builder.gep(pxs, [builder.add(s_rows[t], j)]))
+
             def sub_block(j):
                 """Token t's integer sums of sub-block j (<16 x i32> each), the sub-block's scales and biases."""
-                isum = [ir.Constant(_V16I, [0] * 16)] * nt
+                if folded:
+                    isum = [_splat(builder, xs_at(t, j), 16, 32) for t in range(nt)]
+                else:
+                    isum = [ir.Constant(_V16I, [0] * 16)] * nt
                 cbase = builder.mul(j, ir.Constant(_I64, sb * ROWS))
                 xbase = builder.mul(j, ir.Constant(_I64, sb))
                 for s in range(sb // 4):
@@ -102,6 +114,12 @@ def codes_block(nt: int, sb: int, vnni: bool = HAS_VNNI):
             def fma(acc, a, b):
                 return builder.fadd(acc, builder.fmul(a, b, flags=_FL), flags=_FL)
 
+            def bias_term(acc, bv, t, j):
+                """acc plus the bias times the xs term (none when folded)."""
+                if folded:
+                    return acc
+                return fma(acc, bv, _splat_f(builder, xs_at(t, j), 16))
+
             if sb == 16:
                 with cgutils.for_range(builder, ldxd_v) as outer:
                     ab = outer.index
@@ -111,9 +129,8 @@ def codes_block(nt: int, sb: int, vnni: bool = HAS_VNNI):
                         j = builder.add(builder.mul(ab, spb), inner.index)
                         isum, sv, bv = sub_block(j)
                         for t in range(nt):
-                            sx = _splat_f(builder, builder.load(builder.gep(pxs, [builder.add(s_rows[t], j)])), 16)
                             blk = fma(builder.load(blks[t]), builder.sitofp(isum[t], _V16F), sv)
-                            builder.store(fma(blk, bv, sx), blks[t])
+                            builder.store(bias_term(blk, bv, t, j), blks[t])
                     for t in range(nt):
                         dx = _splat_f(builder, builder.load(builder.gep(pxd, [builder.add(d_rows[t], ab)])), 16)
                         builder.store(fma(builder.load(accs[t]), builder.load(blks[t]), dx), accs[t])
@@ -123,9 +140,8 @@ def codes_block(nt: int, sb: int, vnni: bool = HAS_VNNI):
                     isum, sv, bv = sub_block(j)
                     for t in range(nt):
                         dxv = _splat_f(builder, builder.load(builder.gep(pxd, [builder.add(d_rows[t], j)])), 16)
-                        sxv = _splat_f(builder, builder.load(builder.gep(pxs, [builder.add(s_rows[t], j)])), 16)
                         a = fma(builder.load(accs[t]), builder.sitofp(isum[t], _V16F), builder.fmul(sv, dxv, flags=_FL))
-                        builder.store(fma(a, bv, sxv), accs[t])
+                        builder.store(bias_term(a, bv, t, j), accs[t])
             for t in range(nt):
                 op = builder.gep(po, [ir.Constant(_I64, ROWS * t)])
                 builder.store(builder.load(accs[t]), builder.bitcast(op, _V16F.as_pointer()), align=4)

@@ -97,11 +97,13 @@ def test_matmul_codes_matches_float64(rng, t, rows, k):
 
 
 @pytest.mark.parametrize("sb", [16, 32])
-def test_portable_block_matches_vnni_block(rng, sb):
+@pytest.mark.parametrize("offset", [0, 43])
+def test_portable_block_matches_vnni_block(rng, sb, offset):
     """The block without VNNI (widening multiplies and adds, for CPUs without it) against the float64 product, as
     the VNNI block where the CPU has it. Activations as TokenCodes holds them: for sub-blocks of 16 a scale per
-    256 values and the sub-blocks' code sums, for sub-blocks of 32 a scale per sub-block and that scale times the
-    code sum."""
+    256 values, for sub-blocks of 32 a scale per sub-block; offset 0 (codes with a free bias): float sums, the
+    sub-blocks' code sums (16) or the scale times the code sum (32); offset > 0 (bias = -offset * scale): int32
+    -offset times the code sums, and the block must not read the bias."""
     k, nt = 512, 4
     codes = rng.integers(0, 256, ROWS * k, dtype=np.uint8)  # every byte value, including codes above 127
     scale = rng.standard_normal(k // sb * ROWS).astype(np.float32)
@@ -109,8 +111,12 @@ def test_portable_block_matches_vnni_block(rng, sb):
     xq = rng.integers(-128, 128, nt * k, dtype=np.int8)
     act = 256 if sb == 16 else sb
     xd = rng.uniform(0.01, 1.0, nt * (k // act)).astype(np.float32)
-    sums = xq.reshape(nt, k // sb, sb).sum(axis=2).reshape(-1).astype(np.float32)
-    xs = sums if sb == 16 else (xd * sums).astype(np.float32)
+    sums = xq.reshape(nt, k // sb, sb).sum(axis=2).reshape(-1)
+    if offset:
+        bias = (-offset * scale.astype(np.float64)).astype(np.float32)
+        xs = (-offset * sums).astype(np.int32)
+    else:
+        xs = sums.astype(np.float32) if sb == 16 else (xd * sums).astype(np.float32)
     c = codes.reshape(k // 4, ROWS, 4).transpose(1, 0, 2).reshape(ROWS, k).astype(np.float64)
     w64 = (np.repeat(scale.reshape(k // sb, ROWS).T, sb, axis=1) * c
            + np.repeat(bias.reshape(k // sb, ROWS).T, sb, axis=1))
@@ -123,5 +129,5 @@ def test_portable_block_matches_vnni_block(rng, sb):
         def run(codes, scale, bias, xq, xd, xs, out):
             block(codes, scale, bias, k // sb, xq, 0, k, xd, 0, k // act, xs, 0, k // sb, out)
         out = np.zeros(nt * ROWS, np.float32)
-        run(codes, scale, bias, xq, xd, xs, out)
+        run(codes, scale, np.full_like(bias, np.nan) if offset else bias, xq, xd, xs, out)
         assert np.all(np.abs(out.reshape(nt, ROWS) - want) <= REL_TOL * (np.abs(x64) @ np.abs(w64).T)), vnni
