@@ -286,6 +286,24 @@ def _q6_half_codes(context, builder, ary_ty, ary, ql, qh, sc, offset=True):
     return codes, scales
 
 
+def _q6_half_codes64(context, builder, ary_ty, ary, ql, qh):
+    """The unsigned 6-bit codes of a Q6_K half as two <64 x u8>: values 0-63 (low nibbles of the 64 ql bytes, bit
+    pairs 0 and 1 of the 32 qh bytes) and 64-127 (high nibbles, bit pairs 2 and 3). Whole 64-byte vectors: the
+    high bit pairs by one 16-bit shift per vector (left 4 / 2 or right 0 / 2 in its two halves: the bits a shift
+    carries across bytes fall outside the mask 0x30), where 32-byte runs had taken twice the instructions."""
+    v64 = ir.VectorType(_I8, 64)
+    w32 = ir.VectorType(ir.IntType(16), 32)
+    ql64 = _load(context, builder, ary_ty, ary, ql, 64)
+    qh32 = _load(context, builder, ary_ty, ary, qh, 32)
+    qh64 = builder.bitcast(builder.shuffle_vector(qh32, qh32, _vec_const(32, list(range(32)) * 2)), w32)
+    low4, high2 = _vec_const(8, [15] * 64), _vec_const(8, [0x30] * 64)
+    lows = builder.and_(ql64, low4)
+    highs = builder.and_(builder.lshr(ql64, _vec_const(8, [4] * 64)), low4)
+    bits_a = builder.bitcast(builder.shl(qh64, _vec_const(16, [4] * 16 + [2] * 16)), v64)
+    bits_b = builder.bitcast(builder.lshr(qh64, _vec_const(16, [0] * 16 + [2] * 16)), v64)
+    return builder.or_(lows, builder.and_(bits_a, high2)), builder.or_(highs, builder.and_(bits_b, high2))
+
+
 @intrinsic
 def idot_q6_half(typingctx, src, ql, qh, sc, x, xo):
     """One half (128 weights) of a Q6_K block times int8 activations, each 16-run times its int8 scale:
@@ -328,12 +346,14 @@ def fdot_q6_k_blocks(typingctx, src, x, xd, xs16, blocks):
             y = builder.mul(b, ir.Constant(b.type, 256))
             total = None
             for half in range(2):
-                codes, scales = _q6_half_codes(context, builder, src_ty, src_v, _at(builder, o, 64 * half),
-                                               _at(builder, o, 128 + 32 * half), _at(builder, o, 192 + 8 * half),
-                                               offset=False)
-                for c in range(2):  # runs 2c and 2c + 1: 64 contiguous activations, four scales
+                codes = _q6_half_codes64(context, builder, src_ty, src_v, _at(builder, o, 64 * half),
+                                         _at(builder, o, 128 + 32 * half))
+                scales = builder.sext(_load(context, builder, src_ty, src_v, _at(builder, o, 192 + 8 * half), 8),
+                                      ir.VectorType(ir.IntType(16), 8))
+                for c in range(2):  # values 64 c .. 64 c + 63 of the half: 64 activations, four scales
                     x64 = _load(context, builder, x_ty, x_v, _at(builder, y, 128 * half + 64 * c), 64)
-                    part = _madd_runs(builder, codes[2 * c], codes[2 * c + 1], x64, scales, 4 * c, 16)
+                    part = _madd_scaled(builder, codes[c], x64, _shuffle(builder, scales, [4 * c + k // 8
+                                                                                          for k in range(32)]))
                     total = part if total is None else builder.add(total, part)
             scales16 = builder.sext(_load(context, builder, src_ty, src_v, _at(builder, o, 192), 16), v16i)
             sums = _load_vec(context, builder, xs_ty, xs_v, builder.mul(b, ir.Constant(b.type, 16)), _I32, 16)
