@@ -269,9 +269,8 @@ def _scaled_products(builder, codes, scales16, x, signed=False):
     return builder.mul(builder.sext(weighted, v32), builder.sext(x, v32))
 
 
-def _q6_half_codes(context, builder, ary_ty, ary, ql, qh, sc, offset=True):
-    """The four 32-value runs of a Q6_K half as signed (code - 32) <32 x i8> (offset=False: the unsigned codes),
-    and its 8 scales as <8 x i16>."""
+def _q6_half_codes(context, builder, ary_ty, ary, ql, qh, sc):
+    """The four 32-value runs of a Q6_K half as signed (code - 32) <32 x i8>, and its 8 scales as <8 x i16>."""
     ql0 = _load(context, builder, ary_ty, ary, ql, 32)
     ql1 = _load(context, builder, ary_ty, ary, _at(builder, ql, 32), 32)
     qhv = _load(context, builder, ary_ty, ary, qh, 32)
@@ -282,7 +281,7 @@ def _q6_half_codes(context, builder, ary_ty, ary, ql, qh, sc, offset=True):
     for k, low in enumerate(lows):
         high = builder.and_(builder.lshr(qhv, _vec_const(8, [2 * k] * 32)), three)
         code = builder.or_(low, builder.shl(high, four))
-        codes.append(builder.sub(code, _vec_const(8, [32] * 32)) if offset else code)
+        codes.append(builder.sub(code, _vec_const(8, [32] * 32)))
     return codes, scales
 
 
