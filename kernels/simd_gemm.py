@@ -92,7 +92,8 @@ def codes_block(nt: int, sb: int, vnni: bool = HAS_VNNI):
                 return builder.load(builder.gep(pxs, [builder.add(s_rows[t], j)]))
 
             def sub_block(j):
-                """Token t's integer sums of sub-block j (<16 x i32> each), the sub-block's scales and biases."""
+                """Token t's integer sums of sub-block j (<16 x i32> each), the sub-block's scales and biases (none
+                when folded: the bias is not read)."""
                 if folded:
                     isum = [_splat(builder, xs_at(t, j), 16, 32) for t in range(nt)]
                 else:
@@ -108,7 +109,8 @@ def codes_block(nt: int, sb: int, vnni: bool = HAS_VNNI):
                         isum[t] = _dpbusd(builder, isum[t], w, _splat(builder, x4, 16, 32), vnni)
                 soff = builder.mul(j, ir.Constant(_I64, ROWS))
                 sv = builder.load(builder.bitcast(builder.gep(ps, [soff]), _V16F.as_pointer()), align=4)
-                bv = builder.load(builder.bitcast(builder.gep(pb, [soff]), _V16F.as_pointer()), align=4)
+                bv = None if folded else builder.load(builder.bitcast(builder.gep(pb, [soff]), _V16F.as_pointer()),
+                                                      align=4)
                 return isum, sv, bv
 
             def fma(acc, a, b):
@@ -223,27 +225,24 @@ def q8_0_tile64(typingctx, src, o, stride, tile, w0, scale, bias, s0):
         pt = _data(context, builder, sig.args[3], tile_v)
         o_v, stride_v, w0_v, s0_v = (_i64(builder, v) for v in (o_v, stride_v, w0_v, s0_v))
         v32 = ir.VectorType(_I8, 32)
-        v16h = ir.VectorType(ir.IntType(16), 16)
         flip = ir.Constant(ir.VectorType(_I8, 64), [0x80] * 64)
         both = ir.Constant(ir.VectorType(_I32, 64), list(range(64)))
-        rows, ds = [], [ir.Constant(v16h, ir.Undefined)] * 2
-        for i in range(16):
-            ro = builder.add(o_v, builder.mul(stride_v, ir.Constant(_I64, i)))
+        whole = ir.Constant(_I64, ROWS)
+        row_offsets = _tile_rows(builder, o_v, stride_v, whole)
+        rows = []
+        for ro in row_offsets:
             halves = []
             for j in range(2):
-                bo = builder.add(ro, ir.Constant(_I64, 34 * j))
-                h = builder.load(builder.bitcast(builder.gep(ps, [bo]), ir.IntType(16).as_pointer()), align=1)
-                ds[j] = builder.insert_element(ds[j], h, ir.Constant(_I32, i))
-                qp = builder.gep(ps, [builder.add(bo, ir.Constant(_I64, 2))])
+                qp = builder.gep(ps, [builder.add(ro, ir.Constant(_I64, 34 * j + 2))])
                 halves.append(builder.load(builder.bitcast(qp, v32.as_pointer()), align=1))
             row = builder.xor(builder.shuffle_vector(halves[0], halves[1], both), flip)
             rows.append(builder.bitcast(row, _V16I))
         _store_interleaved(builder, pt, builder.mul(w0_v, ir.Constant(_I64, 4)), rows)
         for j in range(2):
-            d = builder.fpext(builder.bitcast(ds[j], ir.VectorType(ir.HalfType(), 16)), _V16F)
-            so = builder.add(s0_v, ir.Constant(_I64, 16 * j))
-            _store(context, builder, sig.args[5], scale_v, so, d)
-            _store(context, builder, sig.args[6], bias_v, so, builder.fmul(d, ir.Constant(_V16F, [-128.0] * 16)))
+            _store_scales(builder, _data(context, builder, sig.args[5], scale_v),
+                          _data(context, builder, sig.args[6], bias_v), builder.add(s0_v, ir.Constant(_I64, 16 * j)),
+                          whole, _q8_0_sub_blocks(builder, ps, [builder.add(r, ir.Constant(_I64, 34 * j))
+                                                                for r in row_offsets]))
         return context.get_dummy_value()
     return types.none(src, o, stride, tile, w0, scale, bias, s0), codegen
 
@@ -373,7 +372,7 @@ def _store_scales(builder, ps, pb, at, n, sub_blocks):
     at = _i64(builder, at)
     lane = ir.Constant(_V16I, list(range(ROWS)))
     live = builder.icmp_signed("<", lane, _splat(builder, n, ROWS, 32))
-    zero = ir.Constant(_V16F, [0.0] * ROWS)
+    zero = _splat16(0.0)
     for j, (sc, bi) in enumerate(sub_blocks):
         off = builder.add(at, ir.Constant(_I64, ROWS * j))
         for ptr, v in ((ps, sc), (pb, bi)):
