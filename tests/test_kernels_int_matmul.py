@@ -96,6 +96,16 @@ def test_matmul_codes_matches_float64(rng, t, rows, k):
         assert np.all(err <= bound), f"n={n}: max error / S = {np.max(err / bound) * REL_TOL:.3g}"
 
 
+@pytest.mark.parametrize("per_task", [2, 4])
+def test_matmul_codes_tiles_per_task(rng, per_task):
+    """Tasks of several tiles (the last one short: 5 tiles) give the products of a task per tile, bit for bit."""
+    t, rows, k = TYPES[0], 70, 512
+    w = random_rows(rng, t, rows, k)
+    for n in (1, 9, 29):
+        x = quantize_tokens(random_activations(rng, n, k), t, quant.activation_block(t))
+        np.testing.assert_array_equal(matmul_codes(w, t, x, per_task), matmul_codes(w, t, x, 1))
+
+
 @pytest.mark.parametrize("sb", [16, 32])
 @pytest.mark.parametrize("offset", [0, 43])
 def test_portable_block_matches_vnni_block(rng, sb, offset):
