@@ -171,7 +171,7 @@ def main() -> int:
     ap.add_argument("--decode-tokens", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=512, help="prefill prompt length")
     ap.add_argument("--repeats", type=int, default=3, help="decode runs (each --decode-tokens steps)")
-    ap.add_argument("--prefill-repeats", type=int, default=3)
+    ap.add_argument("--prefill-repeats", type=int, default=5)
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp even if it is installed")
     ap.add_argument("--tag", default=None)
     a = ap.parse_args()
