@@ -42,7 +42,7 @@ def quantize_q8(x, block, xq, xd):
         mbits = np.int32(0)
         for i in range(block):
             mbits = max(mbits, mag[i] & np.int32(0x7FFFFFFF))
-        first = block  # the first value of largest magnitude, sign kept (Q8_K scales by it)
+        first = block  # the index of the first value of largest magnitude (Q8_K scales by it, sign kept)
         for i in range(block):
             first = min(first, i if mag[i] & np.int32(0x7FFFFFFF) == mbits else block)
         vmax = xs[first]
