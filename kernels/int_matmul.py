@@ -119,11 +119,31 @@ def _block(nt, sb, codes, scale, bias, n_sub, xq, xo, ldx, xd, xdo, ldxd, xs, xs
 
 
 @numba.njit(inline="always", nogil=True)
+def tile_set(t, k, tiles):
+    """Buffers of `tiles` code tiles for type t rows of length k: codes, scales and biases (a row of each per tile)
+    and one staging chunk for their decodes."""
+    sb = sub_block(t)
+    return (np.empty((tiles, k * ROWS), np.uint8), np.empty((tiles, k // sb * ROWS), np.float32),
+            np.empty((tiles, k // sb * ROWS), np.float32), np.empty(ROWS * chunk_values(k), np.uint8))
+
+
+@numba.njit(inline="always", nogil=True)
 def tile_buffers(t, k):
     """A code tile's buffers for type t rows of length k: codes, scales, biases and the decode's staging chunk."""
-    sb = sub_block(t)
-    return (np.empty(k * ROWS, np.uint8), np.empty(k // sb * ROWS, np.float32), np.empty(k // sb * ROWS, np.float32),
-            np.empty(ROWS * chunk_values(k), np.uint8))
+    words, scale, bias, stage = tile_set(t, k, 1)
+    return words[0], scale[0], bias[0], stage
+
+
+@numba.njit(inline="always", nogil=True)
+def _token_blocks(n):
+    """The fewest blocks of at most 8 tokens that n tokens take."""
+    return (n + 7) // 8
+
+
+@numba.njit(inline="always", nogil=True)
+def _block_tokens(left, blocks):
+    """Tokens of the next block when `left` tokens remain for `blocks` blocks: near-equal sizes."""
+    return (left + blocks - 1) // blocks
 
 
 @numba.njit(inline="always", nogil=True)
@@ -137,9 +157,9 @@ def tile_times_tokens(sb, words, scale, bias, xq, xd, xs, p0, p1, out, r0, buf, 
     xqf, xdf, xsf = xq.reshape(-1), xd.reshape(-1), xs.reshape(-1)
     nr = min(ROWS, out.shape[1] - r0)
     p = p0
-    blocks = (p1 - p0 + 7) // 8
+    blocks = _token_blocks(p1 - p0)
     while p < p1:
-        nt = (p1 - p + blocks - 1) // blocks
+        nt = _block_tokens(p1 - p, blocks)
         blocks -= 1
         _block(nt, sb, words, scale, bias, n_sub, xqf, p * k, k, xdf, p * n_ab, n_ab, xsf, p * n_sub, n_sub, buf)
         for j in range(nt):
@@ -173,18 +193,15 @@ def _matmul_codes(t, w, xq, xd, xs, out, per_task):
     for task in numba.prange((n_tiles + per_task - 1) // per_task):
         first = task * per_task
         count = min(per_task, n_tiles - first)
-        words = np.empty((per_task, k * ROWS), np.uint8)
-        scale = np.empty((per_task, k // sb * ROWS), np.float32)
-        bias = np.empty((per_task, k // sb * ROWS), np.float32)
-        stage = np.empty(ROWS * chunk_values(k), np.uint8)
+        words, scale, bias, stage = tile_set(t, k, per_task)
         for j in range(count):
             r0 = ROWS * (first + j)
             decode_tile(t, w, r0, words[j], scale[j], bias[j], stage, w, r0 + ROWS)
         buf = np.empty(8 * ROWS, np.float32)
-        blocks = (n + 7) // 8
+        blocks = _token_blocks(n)
         p = 0
         while p < n:
-            nt = (n - p + blocks - 1) // blocks
+            nt = _block_tokens(n - p, blocks)
             blocks -= 1
             for j in range(count):
                 tile_times_tokens(sb, words[j], scale[j], bias[j], xq, xd, xs, p, p + nt, out, ROWS * (first + j), buf,
