@@ -23,6 +23,7 @@ from .checks import require_array, require_positive
 from .norms import _gated_rmsnorm_rows, _l2norm_rows, _rmsnorm_rows
 from .simd import flush_subnormals
 from .small_matmul import FASTMATH, matmul_nt
+from .task_queue import next_task, task_counter
 
 
 @numba.njit(inline="always", nogil=True)
@@ -122,7 +123,7 @@ def _gated_delta_rule_recurrent(q, k, v, g, beta, state, scale, out):
 
 
 @numba.njit(nogil=True, cache=True, parallel=True, fastmath=FASTMATH)
-def _gated_delta_rule_chunked(q, k, v, g, beta, state, scale, chunk, out):
+def _gated_delta_rule_chunked(q, k, v, g, beta, state, scale, chunk, out, workers):
     # Within a chunk of L tokens starting from state S0, with G_t the cumulative log decay from the
     # chunk start (so decays between tokens are exp(G_t - G_s) <= 1):
     #   deltas D solve the unit lower-triangular system (I + A) D = diag(beta) (V - diag(exp G) K S0),
@@ -135,12 +136,11 @@ def _gated_delta_rule_chunked(q, k, v, g, beta, state, scale, chunk, out):
     n, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     group = hv // hk
-    for h in numba.prange(hv):
+    counter = task_counter()
+    for worker in numba.prange(workers):  # heads from the counter (task_queue)
         # Decays between far-apart tokens of a chunk (exp(G_t - G_s)) reach below float32's normal range; flushed to
         # zero instead of taking a microcode assist per multiply (10x slower on a synthetic model's fast decays).
         mxcsr = flush_subnormals(True)
-        kh = h // group
-        ST = np.ascontiguousarray(state[h].T)  # S^T [dv, dk], written back at the end
         Kc = np.empty((chunk, dk), np.float32)  # chunk keys
         Qc = np.empty((chunk, dk), np.float32)  # chunk queries, scaled (then also by exp G)
         KdT = np.empty((dk, chunk), np.float32)  # keys decayed to the chunk end, transposed
@@ -151,66 +151,71 @@ def _gated_delta_rule_chunked(q, k, v, g, beta, state, scale, chunk, out):
         P = np.empty((chunk, chunk), np.float32)
         G = np.empty(chunk, np.float64)
         decay = np.empty(chunk, np.float64)  # row t of exp(G_t - G_s), s <= t
-        for t0 in range(0, n, chunk):
-            L = min(chunk, n - t0)
-            acc = 0.0
-            for t in range(L):
-                acc += g[t0 + t, h]
-                G[t] = acc
-                for i in range(dk):
-                    Kc[t, i] = k[t0 + t, kh, i]
-                    Qc[t, i] = q[t0 + t, kh, i] * scale
-            matmul_nt(Kc, Kc, A, L, L, dk, False)
-            matmul_nt(Qc, Kc, P, L, L, dk, False)
-            for t in range(L):
-                # exp(G_t - G_s) = exp(g_t) exp(G_{t-1} - G_s): one exp per row, not per entry
-                step = np.exp(np.float64(g[t0 + t, h]))
-                for s in range(t):
-                    decay[s] *= step
-                decay[t] = 1.0
-                bt = beta[t0 + t, h]
-                for s in range(t):
-                    A[t, s] *= np.float32(bt * decay[s])
-                for s in range(t + 1):
-                    P[t, s] *= np.float32(decay[s])
-                for s in range(t, L):
-                    A[t, s] = 0.0
-                for s in range(t + 1, L):
-                    P[t, s] = 0.0
-            matmul_nt(Kc, ST, D, L, dv, dk, False)
-            for t in range(L):
-                et = np.float32(np.exp(G[t]))
-                for i in range(dk):
-                    Qc[t, i] *= et
-            matmul_nt(Qc, ST, O, L, dv, dk, False)
-            # Forward substitution, in place: row t needs the deltas of rows s < t only.
-            for t in range(L):
-                bt = beta[t0 + t, h]
-                et = np.float32(np.exp(G[t]))
-                for j in range(dv):
-                    D[t, j] = bt * (v[t0 + t, h, j] - et * D[t, j])
-                for s in range(t):
-                    c = A[t, s]
-                    for j in range(dv):
-                        D[t, j] -= c * D[s, j]
-            for j in range(dv):
+        h = next_task(counter)
+        while h < hv:
+            kh = h // group
+            ST = np.ascontiguousarray(state[h].T)  # S^T [dv, dk], written back at the end
+            for t0 in range(0, n, chunk):
+                L = min(chunk, n - t0)
+                acc = 0.0
                 for t in range(L):
-                    DT[j, t] = D[t, j]
-            matmul_nt(P, DT, O, L, dv, L, True)
-            for t in range(L):
+                    acc += g[t0 + t, h]
+                    G[t] = acc
+                    for i in range(dk):
+                        Kc[t, i] = k[t0 + t, kh, i]
+                        Qc[t, i] = q[t0 + t, kh, i] * scale
+                matmul_nt(Kc, Kc, A, L, L, dk, False)
+                matmul_nt(Qc, Kc, P, L, L, dk, False)
+                for t in range(L):
+                    # exp(G_t - G_s) = exp(g_t) exp(G_{t-1} - G_s): one exp per row, not per entry
+                    step = np.exp(np.float64(g[t0 + t, h]))
+                    for s in range(t):
+                        decay[s] *= step
+                    decay[t] = 1.0
+                    bt = beta[t0 + t, h]
+                    for s in range(t):
+                        A[t, s] *= np.float32(bt * decay[s])
+                    for s in range(t + 1):
+                        P[t, s] *= np.float32(decay[s])
+                    for s in range(t, L):
+                        A[t, s] = 0.0
+                    for s in range(t + 1, L):
+                        P[t, s] = 0.0
+                matmul_nt(Kc, ST, D, L, dv, dk, False)
+                for t in range(L):
+                    et = np.float32(np.exp(G[t]))
+                    for i in range(dk):
+                        Qc[t, i] *= et
+                matmul_nt(Qc, ST, O, L, dv, dk, False)
+                # Forward substitution, in place: row t needs the deltas of rows s < t only.
+                for t in range(L):
+                    bt = beta[t0 + t, h]
+                    et = np.float32(np.exp(G[t]))
+                    for j in range(dv):
+                        D[t, j] = bt * (v[t0 + t, h, j] - et * D[t, j])
+                    for s in range(t):
+                        c = A[t, s]
+                        for j in range(dv):
+                            D[t, j] -= c * D[s, j]
                 for j in range(dv):
-                    out[t0 + t, h, j] = O[t, j]
-            end = G[L - 1]
-            for s in range(L):
-                w = np.float32(np.exp(end - G[s]))
-                for i in range(dk):
-                    KdT[i, s] = Kc[s, i] * w
-            e_end = np.float32(np.exp(end))
-            for j in range(dv):
-                for i in range(dk):
-                    ST[j, i] *= e_end
-            matmul_nt(DT, KdT, ST, dv, dk, L, True)
-        state[h] = ST.T
+                    for t in range(L):
+                        DT[j, t] = D[t, j]
+                matmul_nt(P, DT, O, L, dv, L, True)
+                for t in range(L):
+                    for j in range(dv):
+                        out[t0 + t, h, j] = O[t, j]
+                end = G[L - 1]
+                for s in range(L):
+                    w = np.float32(np.exp(end - G[s]))
+                    for i in range(dk):
+                        KdT[i, s] = Kc[s, i] * w
+                e_end = np.float32(np.exp(end))
+                for j in range(dv):
+                    for i in range(dk):
+                        ST[j, i] *= e_end
+                matmul_nt(DT, KdT, ST, dv, dk, L, True)
+            state[h] = ST.T
+            h = next_task(counter)
         flush_subnormals(mxcsr)
 
 
@@ -292,7 +297,8 @@ def gated_delta_rule_chunked(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.
     _check_delta_rule_args(q, k, v, g, beta, state)
     require_positive("chunk", chunk)
     out = np.empty_like(v)
-    _gated_delta_rule_chunked(q, k, v, g, beta, state, _scale(q.shape[2], scale), int(chunk), out)
+    _gated_delta_rule_chunked(q, k, v, g, beta, state, _scale(q.shape[2], scale), int(chunk), out,
+                              numba.get_num_threads())
     return out
 
 

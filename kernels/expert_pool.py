@@ -27,6 +27,7 @@ from .quant_dispatch import ROW_TASK, _FASTMATH, dequant_row, float_dots, has_fu
 from .quant_dot import block_sums32
 from .quant_int import q8_activations, quantize_q8_sums
 from .small_matmul import matmul_nt_regs
+from .task_queue import claimed_runs, task_counter
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
@@ -95,7 +96,7 @@ def down_int(td, down, r0, r1, hq, hd, hs, y, weight):
 
 
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
-def _swiglu_experts(tg, gate, tu, up, td, down, x, ids, weights, out):
+def _swiglu_experts(tg, gate, tu, up, td, down, x, ids, weights, out, workers):
     k = ids.shape[0]
     ffn = gate.shape[1]
     hidden = down.shape[1]
@@ -106,10 +107,13 @@ def _swiglu_experts(tg, gate, tu, up, td, down, x, ids, weights, out):
     per_expert = (ffn + ROW_TASK - 1) // ROW_TASK
     u = np.empty((k * per_expert, ROW_TASK), np.float32)  # each task's up products
     fused = has_fused_dot(tg) and has_fused_dot(tu)
-    for task in numba.prange(k * per_expert):
-        j, r0, r1 = _task_rows(task, per_expert, ffn)
-        scratch = xsum32 if fused else np.empty(x.shape[0], np.float32)  # a row to decode into where not fused
-        gate_up_float(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, x, xsum32, scratch, h[j], u[task], weights[j])
+    counter = task_counter()
+    for worker in numba.prange(workers):  # runs of tasks from a counter (task_queue)
+        for first, end in claimed_runs(counter, k * per_expert, workers, 1):
+            for task in range(first, end):
+                j, r0, r1 = _task_rows(task, per_expert, ffn)
+                scratch = xsum32 if fused else np.empty(x.shape[0], np.float32)  # a row to decode into where not fused
+                gate_up_float(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, x, xsum32, scratch, h[j], u[task], weights[j])
     hsum32 = np.empty((k, max(1, ffn // 32)), np.float32)
     if ffn % 32 == 0:
         for j in range(k):
@@ -117,15 +121,18 @@ def _swiglu_experts(tg, gate, tu, up, td, down, x, ids, weights, out):
     per_expert = (hidden + ROW_TASK - 1) // ROW_TASK
     y = np.empty((k, hidden), np.float32)
     fused = has_fused_dot(td)
-    for task in numba.prange(k * per_expert):
-        j, r0, r1 = _task_rows(task, per_expert, hidden)
-        scratch = hsum32[j] if fused else np.empty(ffn, np.float32)
-        float_dots(td, down[ids[j]], r0, r1, h[j], hsum32[j], scratch, y[j], r0)
+    counter = task_counter()
+    for worker in numba.prange(workers):  # runs of tasks from a counter (task_queue)
+        for first, end in claimed_runs(counter, k * per_expert, workers, 1):
+            for task in range(first, end):
+                j, r0, r1 = _task_rows(task, per_expert, hidden)
+                scratch = hsum32[j] if fused else np.empty(ffn, np.float32)
+                float_dots(td, down[ids[j]], r0, r1, h[j], hsum32[j], scratch, y[j], r0)
     _add_experts(y, out)
 
 
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
-def _swiglu_experts_int(tg, gate, tu, up, td, down, x, x_block, h_block, ids, weights, out):
+def _swiglu_experts_int(tg, gate, tu, up, td, down, x, x_block, h_block, ids, weights, out, workers):
     """The pool with ggml's numerics: x rounded to int8 blocks of x_block (gate/up's activation type), each
     expert's SwiGLU output rounded to blocks of h_block before its down rows; integer dots throughout."""
     k = ids.shape[0]
@@ -135,9 +142,12 @@ def _swiglu_experts_int(tg, gate, tu, up, td, down, x, x_block, h_block, ids, we
     h = np.empty((k, ffn), np.float32)
     per_expert = (ffn + ROW_TASK - 1) // ROW_TASK
     u = np.empty((k * per_expert, ROW_TASK), np.float32)  # each task's up products
-    for task in numba.prange(k * per_expert):
-        j, r0, r1 = _task_rows(task, per_expert, ffn)
-        gate_up_int(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, xq, xd, xs, h[j], u[task])
+    counter = task_counter()
+    for worker in numba.prange(workers):  # runs of tasks from a counter (task_queue)
+        for first, end in claimed_runs(counter, k * per_expert, workers, 1):
+            for task in range(first, end):
+                j, r0, r1 = _task_rows(task, per_expert, ffn)
+                gate_up_int(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, xq, xd, xs, h[j], u[task])
     hq = np.empty((k, ffn), np.int8)
     hd = np.empty((k, ffn // h_block), np.float32)
     hs = np.empty((k, ffn // 16), np.int32)
@@ -145,9 +155,12 @@ def _swiglu_experts_int(tg, gate, tu, up, td, down, x, x_block, h_block, ids, we
         quantize_q8_sums(h[j], h_block, hq[j], hd[j], hs[j])
     per_expert = (hidden + ROW_TASK - 1) // ROW_TASK
     y = np.empty((k, hidden), np.float32)
-    for task in numba.prange(k * per_expert):
-        j, r0, r1 = _task_rows(task, per_expert, hidden)
-        down_int(td, down[ids[j]], r0, r1, hq[j], hd[j], hs[j], y[j], weights[j])
+    counter = task_counter()
+    for worker in numba.prange(workers):  # runs of tasks from a counter (task_queue)
+        for first, end in claimed_runs(counter, k * per_expert, workers, 1):
+            for task in range(first, end):
+                j, r0, r1 = _task_rows(task, per_expert, hidden)
+                down_int(td, down[ids[j]], r0, r1, hq[j], hd[j], hs[j], y[j], weights[j])
     _add_experts(y, out)
 
 
@@ -159,7 +172,7 @@ def _task_rows(task, per_group, n_rows):
 
 
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
-def _experts_gate_up_grouped(tg, gate, tu, up, xp, group_experts, group_starts, h):
+def _experts_gate_up_grouped(tg, gate, tu, up, xp, group_experts, group_starts, h, workers):
     """h[p] = silu(gate_e xp[p]) * (up_e xp[p]) for every pair p of every group (one expert e =
     group_experts[g], pairs group_starts[g]:group_starts[g + 1]; xp: each pair's token). Tasks are (group,
     block of rows): the block's gate and up rows are decoded once into tiles and multiplied with the group's
@@ -168,40 +181,46 @@ def _experts_gate_up_grouped(tg, gate, tu, up, xp, group_experts, group_starts, 
     that stays in L1 was tried and was no faster: the rows come from RAM, and their decode is ~45% of a task."""
     ffn, hidden = gate.shape[1], xp.shape[1]
     per_group = (ffn + ROW_TASK - 1) // ROW_TASK
-    for task in numba.prange(group_experts.shape[0] * per_group):
-        g, r0, r1 = _task_rows(task, per_group, ffn)
-        e, p0, p1 = group_experts[g], group_starts[g], group_starts[g + 1]
-        rows, pairs = r1 - r0, p1 - p0
-        gtile = np.empty((rows, hidden), np.float32)
-        utile = np.empty((rows, hidden), np.float32)
-        for r in range(rows):
-            dequant_row(tg, gate[e, r0 + r], gtile[r])
-            dequant_row(tu, up[e, r0 + r], utile[r])
-        gv = np.empty((pairs, rows), np.float32)
-        uv = np.empty((pairs, rows), np.float32)
-        matmul_nt_regs(xp[p0:p1], gtile, gv, pairs, rows, hidden, False)
-        matmul_nt_regs(xp[p0:p1], utile, uv, pairs, rows, hidden, False)
-        swiglu_block(gv, uv, h, p0, r0, pairs, rows)
+    counter = task_counter()
+    for worker in numba.prange(workers):  # runs of tasks from a counter (task_queue)
+        for first, end in claimed_runs(counter, group_experts.shape[0] * per_group, workers, 1):
+            for task in range(first, end):
+                g, r0, r1 = _task_rows(task, per_group, ffn)
+                e, p0, p1 = group_experts[g], group_starts[g], group_starts[g + 1]
+                rows, pairs = r1 - r0, p1 - p0
+                gtile = np.empty((rows, hidden), np.float32)
+                utile = np.empty((rows, hidden), np.float32)
+                for r in range(rows):
+                    dequant_row(tg, gate[e, r0 + r], gtile[r])
+                    dequant_row(tu, up[e, r0 + r], utile[r])
+                gv = np.empty((pairs, rows), np.float32)
+                uv = np.empty((pairs, rows), np.float32)
+                matmul_nt_regs(xp[p0:p1], gtile, gv, pairs, rows, hidden, False)
+                matmul_nt_regs(xp[p0:p1], utile, uv, pairs, rows, hidden, False)
+                swiglu_block(gv, uv, h, p0, r0, pairs, rows)
 
 
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
-def _experts_down_grouped(td, down, h, group_experts, group_starts, y):
+def _experts_down_grouped(td, down, h, group_experts, group_starts, y, workers):
     """y[p] = down_e h[p] for the pairs of every group: a block of down rows decoded once into a tile and
     multiplied with the group's SwiGLU outputs (matmul_nt_regs)."""
     hidden, ffn = down.shape[1], h.shape[1]
     per_group = (hidden + ROW_TASK - 1) // ROW_TASK
-    for task in numba.prange(group_experts.shape[0] * per_group):
-        g, r0, r1 = _task_rows(task, per_group, hidden)
-        e, p0, p1 = group_experts[g], group_starts[g], group_starts[g + 1]
-        rows, pairs = r1 - r0, p1 - p0
-        tile = np.empty((rows, ffn), np.float32)
-        for r in range(rows):
-            dequant_row(td, down[e, r0 + r], tile[r])
-        yv = np.empty((pairs, rows), np.float32)
-        matmul_nt_regs(h[p0:p1], tile, yv, pairs, rows, ffn, False)
-        for p in range(pairs):
-            for r in range(rows):
-                y[p0 + p, r0 + r] = yv[p, r]
+    counter = task_counter()
+    for worker in numba.prange(workers):  # runs of tasks from a counter (task_queue)
+        for first, end in claimed_runs(counter, group_experts.shape[0] * per_group, workers, 1):
+            for task in range(first, end):
+                g, r0, r1 = _task_rows(task, per_group, hidden)
+                e, p0, p1 = group_experts[g], group_starts[g], group_starts[g + 1]
+                rows, pairs = r1 - r0, p1 - p0
+                tile = np.empty((rows, ffn), np.float32)
+                for r in range(rows):
+                    dequant_row(td, down[e, r0 + r], tile[r])
+                yv = np.empty((pairs, rows), np.float32)
+                matmul_nt_regs(h[p0:p1], tile, yv, pairs, rows, ffn, False)
+                for p in range(pairs):
+                    for r in range(rows):
+                        y[p0 + p, r0 + r] = yv[p, r]
 
 
 def swiglu_experts_grouped(gate: np.ndarray, gate_type: int, up: np.ndarray, up_type: int, down: np.ndarray,
@@ -247,9 +266,11 @@ def swiglu_experts_grouped(gate: np.ndarray, gate_type: int, up: np.ndarray, up_
     # each row for every token and were slower even where ggml's types have them (one thread, 48 experts x 11
     # tokens: Q4_K 1363 vs 1055 us per expert, Q6_K 1571 vs 1104, Q2_K 1224 vs 1182).
     xr = quantize_activations(x, gate_type) if quantized_activations else x
-    _experts_gate_up_grouped(int(gate_type), gate, int(up_type), up, xr[pair_tokens], group_experts, group_starts, h)
+    workers = numba.get_num_threads()
+    _experts_gate_up_grouped(int(gate_type), gate, int(up_type), up, xr[pair_tokens], group_experts, group_starts, h,
+                             workers)
     hr = quantize_activations(h, down_type) if quantized_activations else h
-    _experts_down_grouped(int(down_type), down, hr, group_experts, group_starts, y)
+    _experts_down_grouped(int(down_type), down, hr, group_experts, group_starts, y, workers)
     return y
 
 
@@ -288,8 +309,9 @@ def swiglu_experts(gate: np.ndarray, gate_type: int, up: np.ndarray, up_type: in
             raise ValueError("the integer expert pool needs gate and up of one type and integer dots for "
                              "gate/up and down (Q8_0, Q4_K, Q6_K, Q2_K, IQ2_XS, Q2_0)")
         _swiglu_experts_int(int(gate_type), gate, int(up_type), up, int(down_type), down, np.ascontiguousarray(x),
-                            _format(gate_type).act_block, _format(down_type).act_block, ids, weights, out)
+                            _format(gate_type).act_block, _format(down_type).act_block, ids, weights, out,
+                            numba.get_num_threads())
         return out
     _swiglu_experts(int(gate_type), gate, int(up_type), up, int(down_type), down, np.ascontiguousarray(x), ids,
-                    weights, out)
+                    weights, out, numba.get_num_threads())
     return out

@@ -16,6 +16,7 @@ from .activations import swiglu_block
 from .code_tiles import decode_tile, sub_block
 from .int_matmul import TokenCodes, tile_buffers, tile_times_tokens
 from .simd_gemm import ROWS
+from .task_queue import next_task, task_counter
 
 
 @numba.njit(inline="always", nogil=True)
@@ -25,69 +26,64 @@ def _task_expert_row(group_experts, per_group, n_tasks, task):
     return group_experts[task // per_group], (task % per_group) * ROWS
 
 
-# Tasks per run of consecutive tasks that one prange iteration takes: its buffers are allocated once per run
-# (five allocations per task had cost ~0.5 us a task, a fifth of a down task's work).
-_TASKS_PER_RUN = 16
-
-
-@numba.njit(inline="always", nogil=True)
-def _runs(n_tasks):
-    """(number of runs, tasks per run) for n_tasks tasks."""
-    n_runs = max(1, (n_tasks + _TASKS_PER_RUN - 1) // _TASKS_PER_RUN)
-    return n_runs, (n_tasks + n_runs - 1) // n_runs
-
-
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=False)
-def _gate_up_codes(tg, gate, tu, up, xq, xd, xs, group_experts, group_starts, h):
+def _gate_up_codes(tg, gate, tu, up, xq, xd, xs, group_experts, group_starts, h, workers):
     """h[p, r] = silu(gate_e . x_p) * (up_e . x_p) for the pairs p of every group (expert e = group_experts[g],
     pairs group_starts[g] .. group_starts[g + 1]); x_p: row p of the pairs' codes (xq, xd, xs)."""
     ffn, hidden = gate.shape[1], xq.shape[1]
     per_group = (ffn + ROWS - 1) // ROWS
     sbg, sbu = sub_block(tg), sub_block(tu)
     n_tasks = group_experts.shape[0] * per_group
-    n_runs, per_run = _runs(n_tasks)
     most = max(1, np.max(group_starts[1:] - group_starts[:-1])) if group_experts.shape[0] else 1
-    for run in numba.prange(n_runs):
+    counter = task_counter()
+    for worker in numba.prange(workers):  # a worker per thread, tasks from the counter (task_queue)
         gw, gs, gb, stage = tile_buffers(tg, hidden)
         uw, us, ub, _ = tile_buffers(tu, hidden)
         gv = np.empty((most, ROWS), np.float32)
         uv = np.empty((most, ROWS), np.float32)
         buf = np.empty(8 * ROWS, np.float32)
-        for task in range(run * per_run, min(n_tasks, (run + 1) * per_run)):
+        task = next_task(counter)
+        while task < n_tasks:
+            following = next_task(counter)  # taken now, so the decodes can ask for its rows
             g, r0 = task // per_group, (task % per_group) * ROWS
             e, p0, p1 = group_experts[g], group_starts[g], group_starts[g + 1]
-            ne, n0 = _task_expert_row(group_experts, per_group, n_tasks, task + 1)
+            ne, n0 = _task_expert_row(group_experts, per_group, n_tasks, following)
             decode_tile(tg, gate[e], r0, gw, gs, gb, stage, up[e], r0)
             decode_tile(tu, up[e], r0, uw, us, ub, stage, gate[ne], n0)
             tile_times_tokens(sbg, gw, gs, gb, xq, xd, xs, p0, p1, gv, 0, buf, -p0)
             tile_times_tokens(sbu, uw, us, ub, xq, xd, xs, p0, p1, uv, 0, buf, -p0)
             swiglu_block(gv, uv, h, p0, r0, p1 - p0, min(ROWS, ffn - r0))
+            task = following
 
 
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=False)
-def _down_codes(td, down, hq, hd, hs, group_experts, group_starts, y):
+def _down_codes(td, down, hq, hd, hs, group_experts, group_starts, y, workers):
     """y[p, r] = down_e . h_p for the pairs of every group (h_p: row p of the codes (hq, hd, hs))."""
     hidden, ffn = down.shape[1], hq.shape[1]
     per_group = (hidden + ROWS - 1) // ROWS
     sb = sub_block(td)
     n_tasks = group_experts.shape[0] * per_group
-    n_runs, per_run = _runs(n_tasks)
-    for run in numba.prange(n_runs):
+    counter = task_counter()
+    for worker in numba.prange(workers):  # a worker per thread, tasks from the counter (task_queue)
         words, scale, bias, stage = tile_buffers(td, ffn)
         buf = np.empty(8 * ROWS, np.float32)
-        for task in range(run * per_run, min(n_tasks, (run + 1) * per_run)):
+        task = next_task(counter)
+        while task < n_tasks:
+            following = next_task(counter)
             g, r0 = task // per_group, (task % per_group) * ROWS
             e, p0, p1 = group_experts[g], group_starts[g], group_starts[g + 1]
-            ne, n0 = _task_expert_row(group_experts, per_group, n_tasks, task + 1)
+            ne, n0 = _task_expert_row(group_experts, per_group, n_tasks, following)
             decode_tile(td, down[e], r0, words, scale, bias, stage, down[ne], n0)
             tile_times_tokens(sb, words, scale, bias, hq, hd, hs, p0, p1, y, r0, buf, 0)
+            task = following
 
 
 def gate_up_codes(gate: np.ndarray, gate_type: int, up: np.ndarray, up_type: int, x: TokenCodes,
                   group_experts: np.ndarray, group_starts: np.ndarray) -> np.ndarray:
     """The SwiGLU outputs h [pairs, ffn] of every group's pairs (x: the pairs' codes, in pair order)."""
     h = np.empty((x.q.shape[0], gate.shape[1]), np.float32)
-    _gate_up_codes(int(gate_type), gate, int(up_type), up, x.q, x.d, x.s, group_experts, group_starts, h)
+    _gate_up_codes(int(gate_type), gate, int(up_type), up, x.q, x.d, x.s, group_experts, group_starts, h,
+                   numba.get_num_threads())
     return h
 
 
@@ -95,5 +91,5 @@ def down_codes(down: np.ndarray, down_type: int, h: TokenCodes, group_experts: n
                group_starts: np.ndarray) -> np.ndarray:
     """y [pairs, hidden] = each pair's expert's down rows times its SwiGLU output h (codes)."""
     y = np.empty((h.q.shape[0], down.shape[1]), np.float32)
-    _down_codes(int(down_type), down, h.q, h.d, h.s, group_experts, group_starts, y)
+    _down_codes(int(down_type), down, h.q, h.d, h.s, group_experts, group_starts, y, numba.get_num_threads())
     return y

@@ -22,6 +22,7 @@ from .quant_int import quantize_q8_sums
 from .simd_gemm import (HAS_VNNI, ROWS, codes_1x16, codes_1x32, codes_2x16, codes_2x32, codes_3x16, codes_3x32,
                         codes_4x16, codes_4x32, codes_5x16, codes_5x32, codes_6x16, codes_6x32, codes_7x16, codes_7x32,
                         codes_8x16, codes_8x32)
+from .task_queue import next_task, task_counter
 
 __all__ = ["HAS_VNNI", "TokenCodes", "matmul_codes", "quantize_tokens", "tile_buffers", "use_codes"]
 
@@ -184,36 +185,43 @@ def tiles_per_task(n_tiles: int, threads: int) -> int:
 
 
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=False)
-def _matmul_codes(t, w, xq, xd, xs, out, per_task):
+def _matmul_codes(t, w, xq, xd, xs, out, per_task, workers):
     """out = tokens (xq, xd, xs) times W.T: a task per per_task tiles of 16 rows, each tile decoded once, then
-    every block of up to 8 tokens (tile_times_tokens' near-equal blocks) through the task's tiles in turn."""
+    every block of up to 8 tokens (tile_times_tokens' near-equal blocks) through the task's tiles in turn; the
+    tasks go to `workers` workers from a counter (task_queue)."""
     sb = sub_block(t)
     n, k = xq.shape
     n_tiles = (w.shape[0] + ROWS - 1) // ROWS
-    for task in numba.prange((n_tiles + per_task - 1) // per_task):
-        first = task * per_task
-        count = min(per_task, n_tiles - first)
+    n_tasks = (n_tiles + per_task - 1) // per_task
+    counter = task_counter()
+    for worker in numba.prange(workers):
         words, scale, bias, stage = tile_set(t, k, per_task)
-        for j in range(count):
-            r0 = ROWS * (first + j)
-            decode_tile(t, w, r0, words[j], scale[j], bias[j], stage, w, r0 + ROWS)
         buf = np.empty(8 * ROWS, np.float32)
-        blocks = _token_blocks(n)
-        p = 0
-        while p < n:
-            nt = _block_tokens(n - p, blocks)
-            blocks -= 1
+        task = next_task(counter)
+        while task < n_tasks:
+            first = task * per_task
+            count = min(per_task, n_tiles - first)
             for j in range(count):
-                tile_times_tokens(sb, words[j], scale[j], bias[j], xq, xd, xs, p, p + nt, out, ROWS * (first + j), buf,
-                                  0)
-            p += nt
+                r0 = ROWS * (first + j)
+                decode_tile(t, w, r0, words[j], scale[j], bias[j], stage, w, r0 + ROWS)
+            blocks = _token_blocks(n)
+            p = 0
+            while p < n:
+                nt = _block_tokens(n - p, blocks)
+                blocks -= 1
+                for j in range(count):
+                    tile_times_tokens(sb, words[j], scale[j], bias[j], xq, xd, xs, p, p + nt, out, ROWS * (first + j),
+                                      buf, 0)
+                p += nt
+            task = next_task(counter)
 
 
 def matmul_codes(w: np.ndarray, t: int, x: TokenCodes, per_task: int | None = None) -> np.ndarray:
     """out [n, rows] = tokens x (quantize_tokens for type t) times W.T, W uint8 [rows, row bytes] of type t;
     per_task: tiles per task (default: tiles_per_task for this many rows and Numba's threads)."""
     out = np.empty((x.q.shape[0], w.shape[0]), np.float32)
+    threads = numba.get_num_threads()
     if per_task is None:
-        per_task = tiles_per_task((w.shape[0] + ROWS - 1) // ROWS, numba.get_num_threads())
-    _matmul_codes(int(t), w, x.q, x.d, x.s, out, per_task)
+        per_task = tiles_per_task((w.shape[0] + ROWS - 1) // ROWS, threads)
+    _matmul_codes(int(t), w, x.q, x.d, x.s, out, per_task, threads)
     return out

@@ -31,6 +31,7 @@ from .quant_dot import block_sums32
 from .quant_float import BF16, F16, F32
 from .quant_int import q8_activations, quantize_q8_sums
 from .routing import _softmax_topk
+from .task_queue import claimed_runs, task_counter
 
 FLOAT_TYPES = frozenset({F32, F16, BF16})
 
@@ -54,7 +55,7 @@ def _sums32(x):
 
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
 def _moe_token(rt, router, it, gate_inp, normalize, tg, gate, tu, up, td, down, stg, sgate, stu, sup, std, sdown,
-               x, quantized, blocks, ids, weights, out):
+               x, quantized, blocks, ids, weights, out, workers):
     """blocks: int8 block sizes of the activations of (gate/up, down, shared gate/up, shared down); a shared
     expert with no rows is none, a gate_inp with no rows an unscaled shared expert."""
     n_experts, k, hidden = router.shape[0], ids.shape[0], x.shape[0]
@@ -74,20 +75,23 @@ def _moe_token(rt, router, it, gate_inp, normalize, tg, gate, tu, up, td, down, 
     n_shared = (sffn + ROW_TASK - 1) // ROW_TASK
     sh = np.empty(sffn, np.float32)
     su = np.empty((n_shared, ROW_TASK), np.float32)
-    for task in numba.prange(n_router + n_shared):
-        if task < n_router:
-            r0 = task * ROW_TASK
-            scratch = xsum32 if has_fused_dot(rt) else np.empty(hidden, np.float32)
-            float_dots(rt, router, r0, min(n_experts, r0 + ROW_TASK), x, xsum32, scratch, logits, r0)
-        else:
-            s = task - n_router
-            r0 = s * ROW_TASK
-            r1 = min(sffn, r0 + ROW_TASK)
-            if quantized:
-                gate_up_int(stg, sgate, stu, sup, r0, r1, sxq, sxd, sxs, sh, su[s])
-            else:
-                scratch = xsum32 if has_fused_dot(stg) and has_fused_dot(stu) else np.empty(hidden, np.float32)
-                gate_up_float(stg, sgate, stu, sup, r0, r1, x, xsum32, scratch, sh, su[s], scale[0])
+    counter = task_counter()
+    for worker in numba.prange(workers):  # runs of tasks from a counter (task_queue)
+        for first, end in claimed_runs(counter, n_router + n_shared, workers, 1):
+            for task in range(first, end):
+                if task < n_router:
+                    r0 = task * ROW_TASK
+                    scratch = xsum32 if has_fused_dot(rt) else np.empty(hidden, np.float32)
+                    float_dots(rt, router, r0, min(n_experts, r0 + ROW_TASK), x, xsum32, scratch, logits, r0)
+                else:
+                    s = task - n_router
+                    r0 = s * ROW_TASK
+                    r1 = min(sffn, r0 + ROW_TASK)
+                    if quantized:
+                        gate_up_int(stg, sgate, stu, sup, r0, r1, sxq, sxd, sxs, sh, su[s])
+                    else:
+                        scratch = xsum32 if has_fused_dot(stg) and has_fused_dot(stu) else np.empty(hidden, np.float32)
+                        gate_up_float(stg, sgate, stu, sup, r0, r1, x, xsum32, scratch, sh, su[s], scale[0])
 
     _softmax_topk(logits.reshape((1, n_experts)), normalize, np.empty(n_experts, np.float32),
                   ids.reshape((1, k)), weights.reshape((1, k)))
@@ -95,13 +99,17 @@ def _moe_token(rt, router, it, gate_inp, normalize, tg, gate, tu, up, td, down, 
     h = np.empty((k, ffn), np.float32)
     per_expert = (ffn + ROW_TASK - 1) // ROW_TASK
     u = np.empty((k * per_expert, ROW_TASK), np.float32)
-    for task in numba.prange(k * per_expert):
-        j, r0, r1 = _task_rows(task, per_expert, ffn)
-        if quantized:
-            gate_up_int(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, xq, xd, xs, h[j], u[task])
-        else:
-            scratch = xsum32 if has_fused_dot(tg) and has_fused_dot(tu) else np.empty(hidden, np.float32)
-            gate_up_float(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, x, xsum32, scratch, h[j], u[task], weights[j])
+    counter = task_counter()
+    for worker in numba.prange(workers):  # runs of tasks from a counter (task_queue)
+        for first, end in claimed_runs(counter, k * per_expert, workers, 1):
+            for task in range(first, end):
+                j, r0, r1 = _task_rows(task, per_expert, ffn)
+                if quantized:
+                    gate_up_int(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, xq, xd, xs, h[j], u[task])
+                else:
+                    scratch = xsum32 if has_fused_dot(tg) and has_fused_dot(tu) else np.empty(hidden, np.float32)
+                    gate_up_float(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, x, xsum32, scratch, h[j], u[task],
+                                  weights[j])
 
     # the down rows' activations: int8 blocks, or float sums per 32
     nq = ffn if quantized else 0
@@ -121,22 +129,25 @@ def _moe_token(rt, router, it, gate_inp, normalize, tg, gate, tu, up, td, down, 
     n_shared = per_expert if sffn > 0 else 0
     y = np.empty((k, hidden), np.float32)
     sy = np.empty(hidden, np.float32)
-    for task in numba.prange(k * per_expert + n_shared):
-        if task < k * per_expert:
-            j, r0, r1 = _task_rows(task, per_expert, hidden)
-            if quantized:
-                down_int(td, down[ids[j]], r0, r1, hq[j], hd[j], hs[j], y[j], weights[j])
-            else:
-                scratch = hsum32[j] if has_fused_dot(td) else np.empty(ffn, np.float32)
-                float_dots(td, down[ids[j]], r0, r1, h[j], hsum32[j], scratch, y[j], r0)
-        else:
-            r0 = (task - k * per_expert) * ROW_TASK
-            r1 = min(hidden, r0 + ROW_TASK)
-            if quantized:
-                down_int(std, sdown, r0, r1, shq, shd, shs, sy, scale[0])
-            else:
-                scratch = shsum32 if has_fused_dot(std) else np.empty(sffn, np.float32)
-                float_dots(std, sdown, r0, r1, sh, shsum32, scratch, sy, r0)
+    counter = task_counter()
+    for worker in numba.prange(workers):  # runs of tasks from a counter (task_queue)
+        for first, end in claimed_runs(counter, k * per_expert + n_shared, workers, 1):
+            for task in range(first, end):
+                if task < k * per_expert:
+                    j, r0, r1 = _task_rows(task, per_expert, hidden)
+                    if quantized:
+                        down_int(td, down[ids[j]], r0, r1, hq[j], hd[j], hs[j], y[j], weights[j])
+                    else:
+                        scratch = hsum32[j] if has_fused_dot(td) else np.empty(ffn, np.float32)
+                        float_dots(td, down[ids[j]], r0, r1, h[j], hsum32[j], scratch, y[j], r0)
+                else:
+                    r0 = (task - k * per_expert) * ROW_TASK
+                    r1 = min(hidden, r0 + ROW_TASK)
+                    if quantized:
+                        down_int(std, sdown, r0, r1, shq, shd, shs, sy, scale[0])
+                    else:
+                        scratch = shsum32 if has_fused_dot(std) else np.empty(sffn, np.float32)
+                        float_dots(std, sdown, r0, r1, sh, shsum32, scratch, sy, r0)
     _add_experts(y, out)
     if sffn > 0:
         _add_experts(sy.reshape((1, hidden)), out)
@@ -218,7 +229,7 @@ class MoETokenCall:
         ids = np.empty(self.k, np.int64)
         weights = np.empty(self.k, np.float32)
         out = np.zeros(self.hidden, np.float32)
-        _moe_token(*self._weights, x, self._quantized, self._blocks, ids, weights, out)
+        _moe_token(*self._weights, x, self._quantized, self._blocks, ids, weights, out, numba.get_num_threads())
         return out, ids, weights
 
 

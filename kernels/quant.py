@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 
@@ -133,12 +134,17 @@ def matvec(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool = False
     serial = w.nbytes <= _SERIAL_MATVEC_BYTES
     if act_quant and quant_dispatch.has_int_dot(fmt.ggml_type):
         # ggml's numerics at integer speed: int8 activations times the weight codes.
-        kernel = quant_dispatch.matvec_int_serial if serial else quant_dispatch.matvec_int
-        kernel(fmt.ggml_type, w, x, fmt.act_block, out)
+        if serial:
+            quant_dispatch.matvec_int_serial(fmt.ggml_type, w, x, fmt.act_block, out)
+        else:
+            quant_dispatch.matvec_int(fmt.ggml_type, w, x, fmt.act_block, out, numba.get_num_threads())
         return out
     if act_quant:
         x = quantize_activations(x, ggml_type)
-    (quant_dispatch.matvec_serial if serial else quant_dispatch.matvec)(fmt.ggml_type, w, x, out)
+    if serial:
+        quant_dispatch.matvec_serial(fmt.ggml_type, w, x, out)
+    else:
+        quant_dispatch.matvec(fmt.ggml_type, w, x, out, numba.get_num_threads())
     return out
 
 

@@ -21,6 +21,7 @@ from .quant_int import idot_q2_0, idot_q2_k, idot_q4_k, idot_q6_k, idot_q8_0, q8
 from .simd import fdot_f32_64, prefetch_l2
 from .quant_nl import IQ4_NL, IQ4_XS, MXFP4, dequant_iq4_nl, dequant_iq4_xs, dequant_mxfp4
 from .quant_q8 import Q8_0, dequant_q8_0
+from .task_queue import claimed_runs, task_counter
 
 # Reassociation lets LLVM vectorize the dot product (float32 lanes); rounding differs from a
 # sequential sum by far less than the tolerances of the float64 reference tests.
@@ -181,31 +182,33 @@ def float_dots(t, w, r0, r1, x, xsum32, scratch, out, o0):
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
-def _matvec_rows(t, w, x, out):
-    """out = W @ x, W given as rows of ggml blocks (float_dots), 16 rows a task. prange: parallel in matvec, a
-    plain loop in matvec_serial."""
+def _matvec_rows(t, w, x, out, workers):
+    """out = W @ x, W given as rows of ggml blocks (float_dots), in claims of contiguous rows that `workers`
+    workers take from a counter (task_queue). prange: parallel in matvec, a plain loop in matvec_serial."""
     n_rows = w.shape[0]
     xsum32 = np.empty(max(1, x.shape[0] // 32), np.float32)
     if x.shape[0] % 32 == 0:
         block_sums32(x, xsum32)
     fused = has_fused_dot(t)
-    for c in numba.prange((n_rows + ROW_TASK - 1) // ROW_TASK):
+    counter = task_counter()
+    for worker in numba.prange(workers):
         scratch = xsum32 if fused else np.empty(x.shape[0], np.float32)  # an allocation only where it is used
-        float_dots(t, w, ROW_TASK * c, min(n_rows, ROW_TASK * (c + 1)), x, xsum32, scratch, out, ROW_TASK * c)
+        for r0, r1 in claimed_runs(counter, n_rows, workers, ROW_TASK):
+            float_dots(t, w, r0, r1, x, xsum32, scratch, out, r0)
 
 
 # fastmath here too: inlined dots take the flags of the function they are compiled into.
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
-def matvec(t, w, x, out):
-    """out = W @ x over the worker threads."""
-    _matvec_rows(t, w, x, out)
+def matvec(t, w, x, out, workers):
+    """out = W @ x over `workers` worker threads (Numba's thread count)."""
+    _matvec_rows(t, w, x, out, workers)
 
 
 @numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)
 def matvec_serial(t, w, x, out):
     """out = W @ x on the calling thread: for small matrices, where waking the workers costs more than the
     product (idle workers sleep, see kernels/__init__.py)."""
-    _matvec_rows(t, w, x, out)
+    _matvec_rows(t, w, x, out, 1)
 
 
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
@@ -261,9 +264,11 @@ def int_dots(t, w, r0, r1, xq, xd, xs16, out, o0):
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
-def _matvec_int_rows(t, w, xq, xd, xs16, out):
-    for c in numba.prange((w.shape[0] + ROW_TASK - 1) // ROW_TASK):
-        int_dots(t, w, ROW_TASK * c, min(w.shape[0], ROW_TASK * (c + 1)), xq, xd, xs16, out, ROW_TASK * c)
+def _matvec_int_rows(t, w, xq, xd, xs16, out, workers):
+    counter = task_counter()
+    for worker in numba.prange(workers):  # runs of contiguous rows from the counter (task_queue)
+        for r0, r1 in claimed_runs(counter, w.shape[0], workers, ROW_TASK):
+            int_dots(t, w, r0, r1, xq, xd, xs16, out, r0)
 
 
 # The integer matrix-vector products round their float activations themselves (ggml's blocks of `block` values,
@@ -271,14 +276,15 @@ def _matvec_int_rows(t, w, xq, xd, xs16, out):
 # token's Python runs with cold caches (each product streams megabytes through them), where every Python step
 # costs a few microseconds.
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
-def matvec_int(t, w, x, block, out):
-    """out = W @ x for a has_int_dot type, x float32 rounded to int8 blocks as ggml does (quant_int)."""
+def matvec_int(t, w, x, block, out, workers):
+    """out = W @ x for a has_int_dot type, x float32 rounded to int8 blocks as ggml does (quant_int), over
+    `workers` worker threads (Numba's thread count)."""
     xq, xd, xs16 = q8_activations(x, block)
-    _matvec_int_rows(t, w, xq, xd, xs16, out)
+    _matvec_int_rows(t, w, xq, xd, xs16, out, workers)
 
 
 @numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)
 def matvec_int_serial(t, w, x, block, out):
     """matvec_int on the calling thread (small matrices)."""
     xq, xd, xs16 = q8_activations(x, block)
-    _matvec_int_rows(t, w, xq, xd, xs16, out)
+    _matvec_int_rows(t, w, xq, xd, xs16, out, 1)
