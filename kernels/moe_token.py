@@ -31,7 +31,7 @@ from .quant_dot import block_sums32
 from .quant_float import BF16, F16, F32
 from .quant_int import q8_activations, quantize_q8_sums
 from .routing import _softmax_topk
-from .task_queue import claimed_runs, task_counter
+from .task_queue import claimed_runs, task_counter, worker_count
 
 FLOAT_TYPES = frozenset({F32, F16, BF16})
 
@@ -60,6 +60,7 @@ def _moe_token(rt, router, it, gate_inp, normalize, tg, gate, tu, up, td, down, 
     expert with no rows is none, a gate_inp with no rows an unscaled shared expert."""
     n_experts, k, hidden = router.shape[0], ids.shape[0], x.shape[0]
     ffn, sffn = gate.shape[1], sgate.shape[0]
+    workers = worker_count(workers)
     xsum32 = _sums32(x)
     xq, xd, xs = _q8(x, blocks[0], quantized)
     sxq, sxd, sxs = _q8(x, blocks[2], quantized and sffn > 0)
@@ -229,7 +230,7 @@ class MoETokenCall:
         ids = np.empty(self.k, np.int64)
         weights = np.empty(self.k, np.float32)
         out = np.zeros(self.hidden, np.float32)
-        _moe_token(*self._weights, x, self._quantized, self._blocks, ids, weights, out, numba.get_num_threads())
+        _moe_token(*self._weights, x, self._quantized, self._blocks, ids, weights, out, 0)  # 0: Numba's threads
         return out, ids, weights
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 
 
@@ -137,14 +136,14 @@ def matvec(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool = False
         if serial:
             quant_dispatch.matvec_int_serial(fmt.ggml_type, w, x, fmt.act_block, out)
         else:
-            quant_dispatch.matvec_int(fmt.ggml_type, w, x, fmt.act_block, out, numba.get_num_threads())
+            quant_dispatch.matvec_int(fmt.ggml_type, w, x, fmt.act_block, out, 0)  # 0: Numba's thread count
         return out
     if act_quant:
         x = quantize_activations(x, ggml_type)
     if serial:
         quant_dispatch.matvec_serial(fmt.ggml_type, w, x, out)
     else:
-        quant_dispatch.matvec(fmt.ggml_type, w, x, out, numba.get_num_threads())
+        quant_dispatch.matvec(fmt.ggml_type, w, x, out, 0)
     return out
 
 

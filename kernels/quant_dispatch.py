@@ -21,7 +21,7 @@ from .quant_int import idot_q2_0, idot_q2_k, idot_q4_k, idot_q6_k, idot_q8_0, q8
 from .simd import fdot_f32_64, prefetch_l2
 from .quant_nl import IQ4_NL, IQ4_XS, MXFP4, dequant_iq4_nl, dequant_iq4_xs, dequant_mxfp4
 from .quant_q8 import Q8_0, dequant_q8_0
-from .task_queue import claimed_runs, task_counter
+from .task_queue import claimed_runs, task_counter, worker_count
 
 # Reassociation lets LLVM vectorize the dot product (float32 lanes); rounding differs from a
 # sequential sum by far less than the tolerances of the float64 reference tests.
@@ -200,8 +200,8 @@ def _matvec_rows(t, w, x, out, workers):
 # fastmath here too: inlined dots take the flags of the function they are compiled into.
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
 def matvec(t, w, x, out, workers):
-    """out = W @ x over `workers` worker threads (Numba's thread count)."""
-    _matvec_rows(t, w, x, out, workers)
+    """out = W @ x over `workers` worker threads (<= 0: the calling thread's Numba thread count)."""
+    _matvec_rows(t, w, x, out, worker_count(workers))
 
 
 @numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)
@@ -278,9 +278,9 @@ def _matvec_int_rows(t, w, xq, xd, xs16, out, workers):
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
 def matvec_int(t, w, x, block, out, workers):
     """out = W @ x for a has_int_dot type, x float32 rounded to int8 blocks as ggml does (quant_int), over
-    `workers` worker threads (Numba's thread count)."""
+    `workers` worker threads (<= 0: the calling thread's Numba thread count)."""
     xq, xd, xs16 = q8_activations(x, block)
-    _matvec_int_rows(t, w, xq, xd, xs16, out, workers)
+    _matvec_int_rows(t, w, xq, xd, xs16, out, worker_count(workers))
 
 
 @numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)

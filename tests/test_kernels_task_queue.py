@@ -13,7 +13,7 @@ from strata_async.kernels.grouped_codes import _down_codes, _gate_up_codes
 from strata_async.kernels.int_matmul import _matmul_codes, quantize_tokens
 from strata_async.kernels.quant_dispatch import matvec_int, matvec_int_serial
 from strata_async.kernels.task_queue import (CLAIMS_PER_WORKER, claim_size, claimed_runs, fetch_add, next_task,
-                                             task_counter)
+                                             task_counter, worker_count)
 
 from test_kernels_int_matmul import random_activations, random_rows
 
@@ -95,10 +95,22 @@ def test_claim_size(unit, workers):
 
 
 @pytest.fixture
-def threads():
+def threads():  # restores Numba's thread count after the test
     before = numba.get_num_threads()
     yield
     numba.set_num_threads(before)
+
+
+@numba.njit(cache=False)
+def _workers(workers):
+    return worker_count(workers)
+
+
+def test_worker_count_reads_the_calling_threads_count(threads):
+    for count in (1, 2):
+        numba.set_num_threads(count)
+        assert _workers(0) == count
+        assert _workers(3) == 3
 
 
 def test_products_equal_for_any_worker_count(rng):
