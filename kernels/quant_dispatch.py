@@ -105,8 +105,8 @@ def dequant_rows_serial(t, w, out):
 # threads in 7.2-8.9 ms, against 8.7-11.9 ms asking into L1 for the row 4 ahead (alternating runs on an AMD EPYC;
 # on the earlier Xeon that had taken it from 9.7 to 12-13 GB/s, about what that machine read at best).
 PREFETCH_BYTES = 32768
-# Rows per parallel task of a matrix-vector product, the expert pool's too (float_dots / int_dots take a task's
-# rows in one call): enough work per task, enough tasks for every core.
+# Rows per task of the expert pools and the fused MoE block (float_dots / int_dots take a task's rows in one call),
+# and the unit of a matrix-vector product's runs of rows (task_queue.claimed_runs).
 ROW_TASK = 16
 
 
