@@ -51,6 +51,7 @@ HAS_GFNI = HAS_AVX512BW and bool(_host_features().get("gfni"))
 
 _I8 = ir.IntType(8)
 _I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
 _FL = ("reassoc", "nsz", "contract")  # the float flags of the dots' sums: reassociated, contracted to FMAs
 
 
@@ -967,6 +968,18 @@ def _c_float_array(ty) -> bool:
     return isinstance(ty, types.Array) and ty.layout == "C" and ty.dtype == types.float32
 
 
+def _block_operands(context, builder, sig, args):
+    """The operands of a register block of a small product (fdot_nt_*, fmadd_nn_*: arguments a, ao, lda, b, bo,
+    ldb, k, c, co, ldc, accumulate): the data pointers of a, b and c, the offsets, strides and length as i64, and
+    the accumulate flag."""
+    a_v, ao_v, lda_v, b_v, bo_v, ldb_v, k_v, c_v, co_v, ldc_v, acc_v = args
+    pa = _data(context, builder, sig.args[0], a_v)
+    pb = _data(context, builder, sig.args[3], b_v)
+    pc = _data(context, builder, sig.args[7], c_v)
+    ints = [builder.sext(v, _I64) if v.type.width < 64 else v for v in (ao_v, lda_v, bo_v, ldb_v, k_v, co_v, ldc_v)]
+    return pa, pb, pc, ints, acc_v
+
+
 def _fdot_nt_block(mr: int, nr: int):
     """An intrinsic for an mr x nr block of C = A B^T: c[co + i ldc + j] (+)= sum_{l < 16 k16} a[ao + i lda + l]
     b[bo + j ldb + l], A's rows and B's rows contiguous. mr x nr accumulators of 16 lanes stay in registers
@@ -979,15 +992,11 @@ def _fdot_nt_block(mr: int, nr: int):
             return None
 
         def codegen(context, builder, sig, args):
-            a_v, ao_v, lda_v, b_v, bo_v, ldb_v, k16_v, c_v, co_v, ldc_v, acc_v = args
+            pa, pb, pc, ints, acc_v = _block_operands(context, builder, sig, args)
+            ao_v, lda_v, bo_v, ldb_v, k16_v, co_v, ldc_v = ints
             f32 = ir.FloatType()
             v16 = ir.VectorType(f32, 16)
-            pa = _data(context, builder, sig.args[0], a_v)
-            pb = _data(context, builder, sig.args[3], b_v)
-            pc = _data(context, builder, sig.args[7], c_v)
-            i64 = ir.IntType(64)
-            ao_v, lda_v, bo_v, ldb_v, co_v, ldc_v = (builder.sext(v, i64) if v.type.width < 64 else v
-                                                     for v in (ao_v, lda_v, bo_v, ldb_v, co_v, ldc_v))
+            i64 = _I64
             a_rows = [builder.add(ao_v, builder.mul(lda_v, ir.Constant(i64, i))) for i in range(mr)]
             b_rows = [builder.add(bo_v, builder.mul(ldb_v, ir.Constant(i64, j))) for j in range(nr)]
             accs = [[cgutils.alloca_once_value(builder, ir.Constant(v16, [0.0] * 16)) for _ in range(nr)]
@@ -1020,6 +1029,55 @@ def _fdot_nt_block(mr: int, nr: int):
 # 4 x 4 blocks and the edges of a product whose sides are not multiples of 4.
 fdot_nt_4x4, fdot_nt_3x4, fdot_nt_2x4, fdot_nt_1x4 = (_fdot_nt_block(m, 4) for m in (4, 3, 2, 1))
 fdot_nt_4x1, fdot_nt_3x1, fdot_nt_2x1, fdot_nt_1x1 = (_fdot_nt_block(m, 1) for m in (4, 3, 2, 1))
+
+
+def _fmadd_nn_block(mr: int, nv: int):
+    """An intrinsic for an mr x (16 nv) block of C = A B: c[co + i ldc + l] (+)= sum_{p < k} a[ao + i lda + p]
+    b[bo + p ldb + l] for l < 16 nv, A's rows and B's rows contiguous. Each step broadcasts mr values of A and
+    multiply-adds them with nv vectors of one row of B into mr x nv accumulators that stay in registers (4 x 4: 16
+    of AVX-512's 32, 8 loads for 16 multiply-adds); each output is summed in the order of p, with no horizontal
+    sums at all, which for the short sums of a DeltaNet chunk (k = 64 or 128) had cost as much as the products."""
+
+    @intrinsic
+    def block(typingctx, a, ao, lda, b, bo, ldb, k, c, co, ldc, accumulate):
+        if not (_c_float_array(a) and _c_float_array(b) and _c_float_array(c)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            pa, pb, pc, ints, acc_v = _block_operands(context, builder, sig, args)
+            ao_v, lda_v, bo_v, ldb_v, k_v, co_v, ldc_v = ints
+            v16 = ir.VectorType(ir.FloatType(), 16)
+            i64 = _I64
+            a_rows = [builder.add(ao_v, builder.mul(lda_v, ir.Constant(i64, i))) for i in range(mr)]
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(v16, [0.0] * 16)) for _ in range(nv)]
+                    for _ in range(mr)]
+
+            def vec(p, off):
+                return builder.bitcast(builder.gep(p, [off]), v16.as_pointer())
+            with cgutils.for_range(builder, k_v) as loop:
+                p = loop.index
+                b_row = builder.add(bo_v, builder.mul(ldb_v, p))
+                vb = [builder.load(vec(pb, builder.add(b_row, ir.Constant(i64, 16 * j))), align=4) for j in range(nv)]
+                for i in range(mr):
+                    va = _splat_f(builder, builder.load(builder.gep(pa, [builder.add(a_rows[i], p)])), 16)
+                    for j in range(nv):
+                        prod = builder.fmul(va, vb[j], flags=_FL)
+                        builder.store(builder.fadd(builder.load(accs[i][j]), prod, flags=_FL), accs[i][j])
+            zero = ir.Constant(v16, [0.0] * 16)
+            for i in range(mr):
+                row = builder.add(co_v, builder.mul(ldc_v, ir.Constant(i64, i)))
+                for j in range(nv):
+                    ptr = vec(pc, builder.add(row, ir.Constant(i64, 16 * j)))
+                    old = builder.select(acc_v, builder.load(ptr, align=4), zero)
+                    builder.store(builder.fadd(old, builder.load(accs[i][j])), ptr, align=4)
+            return context.get_dummy_value()
+        return types.none(a, ao, lda, b, bo, ldb, k, c, co, ldc, accumulate), codegen
+    return block
+
+
+# 4 x 64 blocks, and the edges of a product whose rows are not a multiple of 4 or columns of 64.
+fmadd_nn_4x4, fmadd_nn_4x1, fmadd_nn_1x4, fmadd_nn_1x1 = (_fmadd_nn_block(m, v) for m, v in ((4, 4), (4, 1), (1, 4),
+                                                                                             (1, 1)))
 
 
 def _q2_k_lanes(context, builder, src_ty, src, o, xq_ty, xq, y, xs_ty, xs, g):

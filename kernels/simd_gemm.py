@@ -23,15 +23,12 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import (_FL, HAS_VNNI, _array_1d, _byte_array, _data, _dpbusd, _iq2_xs_block, _load,
-                   _splat, _splat_f, _store)
+from .simd import (_FL, _I8, _I32, _I64, HAS_VNNI, _array_1d, _byte_array, _data, _dpbusd, _iq2_xs_block,
+                   _load, _splat, _splat_f, _store)
 
 
 ROWS = 16  # rows per tile: one 512-bit vector of int32 lanes
 
-_I8 = ir.IntType(8)
-_I32 = ir.IntType(32)
-_I64 = ir.IntType(64)
 _V16I = ir.VectorType(_I32, 16)
 _V16F = ir.VectorType(ir.FloatType(), 16)
 

@@ -6,7 +6,7 @@ import numba
 import numpy as np
 
 from .simd import (fdot_nt_1x1, fdot_nt_1x4, fdot_nt_2x1, fdot_nt_2x4, fdot_nt_3x1, fdot_nt_3x4, fdot_nt_4x1,
-                   fdot_nt_4x4)
+                   fdot_nt_4x4, fmadd_nn_1x1, fmadd_nn_1x4, fmadd_nn_4x1, fmadd_nn_4x4)
 
 # Reassociation lets LLVM vectorize dot products; the no-NaN/no-inf assumptions stay off so that
 # exp underflow, -inf masks and SiLU of large negatives behave exactly as in IEEE arithmetic.
@@ -131,3 +131,51 @@ def matmul_nt_regs(a, b, c, m, n, k, accumulate):
     for kc in range(0, k, _KC):
         matmul_nt_at(a, kc, a.shape[1], b, kc, b.shape[1], c, 0, c.shape[1], m, n, min(_KC, k - kc),
                      accumulate or kc > 0)
+
+
+@numba.njit(inline="always", nogil=True)
+def _fmadd_nn(mr, nv, a, ao, lda, b, bo, ldb, k, c, co, ldc, accumulate):
+    """The simd.fmadd_nn_<mr>x<nv> block for mr in (1, 4), nv in (1, 4)."""
+    if mr == 4:
+        if nv == 4:
+            fmadd_nn_4x4(a, ao, lda, b, bo, ldb, k, c, co, ldc, accumulate)
+        else:
+            fmadd_nn_4x1(a, ao, lda, b, bo, ldb, k, c, co, ldc, accumulate)
+    elif nv == 4:
+        fmadd_nn_1x4(a, ao, lda, b, bo, ldb, k, c, co, ldc, accumulate)
+    else:
+        fmadd_nn_1x1(a, ao, lda, b, bo, ldb, k, c, co, ldc, accumulate)
+
+
+@numba.njit(nogil=True, cache=True, fastmath=FASTMATH)
+def matmul_nn_at(a, ao, lda, b, bo, ldb, c, co, ldc, m, n, k, accumulate):
+    """C = A B on C-contiguous arrays addressed by flat element offsets and row strides: c[co + t ldc + j] (+)=
+    sum_{p < k} a[ao + t lda + p] b[bo + p ldb + j] for t < m, j < n. Outer products in register blocks of 4 rows
+    x 64 columns (simd.fmadd_nn_*: a broadcast value of A times rows of B, no horizontal sums), a panel of 64
+    columns of B at a time (k = 128: 32 KB, in cache while A's rows pass over it); the edges in blocks of 1 row
+    and 16 columns, the last n % 16 columns in a scalar loop."""
+    n16 = n - n % 16
+    j = 0
+    while j < n16:
+        nv = 4 if n16 - j >= 64 else 1
+        t = 0
+        while t < m:
+            mr = 4 if m - t >= 4 else 1
+            _fmadd_nn(mr, nv, a, ao + t * lda, lda, b, bo + j, ldb, k, c, co + t * ldc + j, ldc, accumulate)
+            t += mr
+        j += 16 * nv
+    if n16 < n:
+        af, bf, cf = a.reshape(-1), b.reshape(-1), c.reshape(-1)
+        for t in range(m):
+            for jj in range(n16, n):
+                s = np.float32(0.0)
+                for p in range(k):
+                    s += af[ao + t * lda + p] * bf[bo + p * ldb + jj]
+                at = co + t * ldc + jj
+                cf[at] = cf[at] + s if accumulate else s
+
+
+@numba.njit(nogil=True, cache=True, fastmath=FASTMATH)
+def matmul_nn(a, b, c, m, n, k, accumulate):
+    """c[:m, :n] = a[:m, :k] @ b[:k, :n] (added to c when accumulate), on C-contiguous 2-D operands (matmul_nn_at)."""
+    matmul_nn_at(a, 0, a.shape[1], b, 0, b.shape[1], c, 0, c.shape[1], m, n, k, accumulate)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from assets import randn
 
-from strata_async.kernels.small_matmul import matmul_nt, matmul_nt_at, matmul_nt_regs
+from strata_async.kernels.small_matmul import matmul_nn, matmul_nt, matmul_nt_at, matmul_nt_regs
 
 REL_TOL = 2e-6
 
@@ -39,6 +39,37 @@ def test_matmul_nt_regs_against_float64(rng, m, n, k, accumulate):
         c2 = c0.copy()
         matmul_nt(a, b, c2, m, n, k, accumulate)
         assert_close(c2, a, b, c0 if accumulate else None)
+
+
+# matmul_nn's blocks: 4 rows x 64 columns, edges of 1 row and 16 columns, then the last n % 16 columns one by one;
+# the DeltaNet chunk's shapes (64 tokens, 128 keys and values) among them.
+NN_SHAPES = [(1, 1, 1), (1, 16, 3), (3, 17, 5), (4, 64, 128), (5, 80, 64), (7, 100, 33), (64, 128, 128),
+             (64, 64, 128), (128, 128, 64), (9, 130, 0)]
+
+
+@pytest.mark.parametrize("m, n, k", NN_SHAPES)
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_matmul_nn_against_float64(rng, m, n, k, accumulate):
+    a, b = randn(rng, m, k), randn(rng, k, n)
+    c0 = randn(rng, m, n)
+    c = c0.copy()
+    matmul_nn(a, b, c, m, n, k, accumulate)
+    assert_close(c, a, np.ascontiguousarray(b.T), c0 if accumulate else None)
+
+
+def test_matmul_nn_writes_only_its_block(rng):
+    # a product smaller than its arrays: C's other entries are left as they were, A's and B's others not read
+    a, b = randn(rng, 10, 40), randn(rng, 40, 90)
+    c = randn(rng, 12, 96)
+    before = c.copy()
+    a[6:] = np.nan
+    b[33:] = np.nan
+    m, n, k = 6, 70, 33
+    matmul_nn(a, b, c, m, n, k, False)
+    assert_close(c[:m, :n], a[:m, :k], np.ascontiguousarray(b[:k, :n].T), None)
+    outside = np.ones_like(c, bool)
+    outside[:m, :n] = False
+    np.testing.assert_array_equal(c[outside], before[outside])
 
 
 def test_matmul_nt_at_addresses_a_window_of_larger_arrays(rng):
