@@ -182,5 +182,28 @@ def matmul(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool = False
     return out
 
 
+def matmuls(weights: list[tuple[np.ndarray, int]], x: np.ndarray, act_quant: bool = False) -> list[np.ndarray]:
+    """[matmul(w, t, x, act_quant) for w, t in weights], the same results, with x rounded to int8 codes once per
+    weight type rather than once per matrix (a DeltaNet layer's q/k/v and gate projections, an attention layer's
+    q, k and v, an expert's gate and up all take one input)."""
+    if not (act_quant and x.ndim == 2 and x.shape[0] > 1):
+        return [matmul(w, t, x, act_quant) for w, t in weights]
+    from . import int_matmul
+
+    x = np.ascontiguousarray(x, np.float32)
+    codes: dict[int, int_matmul.TokenCodes] = {}
+    out = []
+    for w, t in weights:
+        fmt = _format(t)
+        _check_weights(w, fmt, x.shape[1])
+        if not int_matmul.use_codes(fmt.ggml_type, x.shape[1]):
+            out.append(matmul(w, t, x, act_quant))
+            continue
+        if fmt.ggml_type not in codes:
+            codes[fmt.ggml_type] = int_matmul.quantize_tokens(x, fmt.ggml_type, fmt.act_block)
+        out.append(int_matmul.matmul_codes(w, fmt.ggml_type, codes[fmt.ggml_type]))
+    return out
+
+
 # The format families register themselves on import; quant_dispatch imports them all.
 from . import activations, quant_dispatch, quant_int, tile_threads  # noqa: E402

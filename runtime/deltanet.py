@@ -78,7 +78,8 @@ class InputProjection:
         if self.qkvz is not None:
             mixed = dev.linear(x, self.qkvz)
             return mixed[:, self.qkv_cols], mixed[:, self.z_cols]
-        return dev.linear(x, self.qkv), dev.linear(x, self.z)
+        qkv, z = dev.linears(x, (self.qkv, self.z))
+        return qkv, z
 
 
 @dataclass(frozen=True)

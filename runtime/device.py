@@ -24,6 +24,10 @@ class Device(Protocol):
     def linear(self, x: np.ndarray, w: QTensor) -> np.ndarray:
         """x [n, k] float32 times the matrix w [rows, k] transposed -> float32 [n, rows]."""
 
+    def linears(self, x: np.ndarray, ws: tuple[QTensor, ...]) -> list[np.ndarray]:
+        """[linear(x, w) for w in ws]: several matrices on one input (a layer's projections, an expert's gate and
+        up), so that whatever the device does to the input once (rounding it to int8 blocks) it does once."""
+
     def swiglu_experts(self, x: np.ndarray, gate: QTensor, up: QTensor, down: QTensor, ids: np.ndarray,
                        weights: np.ndarray, out: np.ndarray) -> bool:
         """out [hidden] += sum_j weights[j] * SwiGLU expert ids[j] of one token x [hidden], all experts in one
@@ -91,6 +95,14 @@ class HostDevice:
         if x.shape[0] == 1:  # decode: one matrix-vector product, no tile decoding
             return quant.matvec(w.data, w.ggml_type, x[0], self.quantized_activations)[None, :]
         return quant.matmul(w.data, w.ggml_type, x, self.quantized_activations)
+
+    def linears(self, x: np.ndarray, ws: tuple[QTensor, ...]) -> list[np.ndarray]:
+        if x.shape[0] == 1 or not self.quantized_activations:
+            return [self.linear(x, w) for w in ws]
+        for w in ws:
+            if w.data.ndim != 2 or x.ndim != 2 or x.shape[1] != w.row_len:
+                raise ValueError(f"linear with '{w.name}' ({w.rows} x {w.row_len}) got input of shape {x.shape}")
+        return quant.matmuls([(w.data, w.ggml_type) for w in ws], x, act_quant=True)
 
     def swiglu_experts(self, x: np.ndarray, gate: QTensor, up: QTensor, down: QTensor, ids: np.ndarray,
                        weights: np.ndarray, out: np.ndarray) -> bool:

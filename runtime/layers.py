@@ -60,7 +60,8 @@ def gate_sigmoid(x: np.ndarray, gate: np.ndarray) -> np.ndarray:
 
 def swiglu(dev: Device, x: np.ndarray, gate: QTensor, up: QTensor, down: QTensor) -> np.ndarray:
     """down(silu(gate(x)) * up(x))."""
-    return dev.linear(activations.silu_mul(dev.linear(x, gate), dev.linear(x, up)), down)
+    g, u = dev.linears(x, (gate, up))
+    return dev.linear(activations.silu_mul(g, u), down)
 
 
 def rope(x: np.ndarray, positions: np.ndarray, theta: float, rot_dim: int) -> np.ndarray:

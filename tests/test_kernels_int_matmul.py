@@ -141,3 +141,19 @@ def test_portable_block_matches_vnni_block(rng, sb, offset):
         out = np.zeros(nt * ROWS, np.float32)
         run(codes, scale, np.full_like(bias, np.nan) if offset else bias, xq, xd, xs, out)
         assert np.all(np.abs(out.reshape(nt, ROWS) - want) <= REL_TOL * (np.abs(x64) @ np.abs(w64).T)), vnni
+
+
+def test_matmuls_round_the_input_once_per_type_with_the_same_results(rng):
+    # a layer's projections on one input: two Q4_K matrices (one rounding shared), a Q8_0 one (its own rounding)
+    # and F32 rows (no codes): each result bit for bit what matmul gives alone
+    k, n = 512, 9
+    x = random_activations(rng, n, k)
+    f32 = rng.standard_normal((24, k)).astype(np.float32).view(np.uint8)
+    weights = [(random_rows(rng, Q.Q4_K, 48, k), Q.Q4_K), (random_rows(rng, Q.Q8_0, 32, k), Q.Q8_0),
+               (random_rows(rng, Q.Q4_K, 16, k), Q.Q4_K), (f32, Q.F32)]
+    for act_quant in (True, False):
+        got = quant.matmuls(weights, x, act_quant)
+        for (w, t), y in zip(weights, got):
+            np.testing.assert_array_equal(y, quant.matmul(w, t, x, act_quant))
+    one = quant.matmuls(weights[:1], x[:1], True)[0]  # one token: matmul's own path
+    np.testing.assert_array_equal(one, quant.matmul(weights[0][0], Q.Q4_K, x[:1], True))

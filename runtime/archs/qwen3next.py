@@ -114,11 +114,12 @@ class Model:
 
     def attention(self, a: Attention, x: np.ndarray, positions: np.ndarray, cache: KVCache) -> np.ndarray:
         c, n = self.config, x.shape[0]
-        q_gate = linear(self.dev, x, a.q).reshape(n, c.n_heads, 2, c.head_dim)  # per head: query, then gate
+        q_gate, k, v = self.dev.linears(x, (a.q, a.k, a.v))
+        q_gate = q_gate.reshape(n, c.n_heads, 2, c.head_dim)  # per head: query, then gate
         q = rmsnorm(q_gate[:, :, 0], a.q_norm, c.rms_eps)
         gate = q_gate[:, :, 1].reshape(n, c.n_heads * c.head_dim)
-        k = rmsnorm(linear(self.dev, x, a.k).reshape(n, c.n_kv_heads, c.head_dim), a.k_norm, c.rms_eps)
-        v = linear(self.dev, x, a.v).reshape(n, c.n_kv_heads, c.head_dim)
+        k = rmsnorm(k.reshape(n, c.n_kv_heads, c.head_dim), a.k_norm, c.rms_eps)
+        v = v.reshape(n, c.n_kv_heads, c.head_dim)
         q = rope(q, positions, c.rope_theta, c.rope_dim)
         k = rope(k, positions, c.rope_theta, c.rope_dim)
         return linear(self.dev, gate_sigmoid(attention(q, k, v, cache, c.head_dim ** -0.5), gate), a.o)
