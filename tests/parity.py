@@ -77,7 +77,12 @@ def greedy(rt, prompt: np.ndarray, n: int) -> list[int]:
 
 
 # Tolerances of record (relative to the largest |logit| at each position).
-F32_VS_TRANSFORMERS = 1e-4
+# F32 files against transformers in float64: transformers runs its gated delta rule in float32 even then, and the
+# float32 roundings of two implementations differ after 8 random layers. Over 28 fresh prompts (14 on the kernels
+# of 205c2ef, 14 on those of 72ffcf5) the worst position's difference had a median of 1.6e-5 and a largest of
+# 9.2e-5, and one prompt gave 1.29e-4 on the first and 1.22e-4 on the second: a bar of 1e-4 failed about one run in
+# twenty, whichever kernels ran. Transformers' own float32 strays up to 1.2e-4 from its float64.
+F32_VS_TRANSFORMERS = 2e-4
 DECODE_VS_FULL_FORWARD = 1e-4  # recurrent vs chunked DeltaNet, matrix-vector vs matrix-matrix products
 QUANTIZED_VS_DEQUANTIZED = 1e-3
 PREFILL_CHUNK = 8  # smaller than every prompt below, so prompts span several chunks
