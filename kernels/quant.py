@@ -147,8 +147,10 @@ def matvec(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool = False
     return out
 
 
-def matmul(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool = False) -> np.ndarray:
-    """Y = X @ W.T for X [n, k] float32 and W given as rows of ggml blocks; returns [n, rows]."""
+def matmul(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool = False,
+           codes: dict | None = None) -> np.ndarray:
+    """Y = X @ W.T for X [n, k] float32 and W given as rows of ggml blocks; returns [n, rows]. codes: where given,
+    X's int8 codes per weight type, reused from and added to it (matmuls)."""
     fmt = _format(ggml_type)
     if x.ndim != 2:
         raise ValueError(f"matmul takes a 2-D activation matrix [n, k], got shape {x.shape}")
@@ -160,7 +162,12 @@ def matmul(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool = False
     if act_quant and n > 1 and int_matmul.use_codes(fmt.ggml_type, k):
         # ggml's numerics on the integer codes: 1.2x the float tiles' speed at 2 tokens, 2-4.6x at 4-16, 1.6-2x
         # at 512 (bench/README.md)
-        return int_matmul.matmul_codes(w, fmt.ggml_type, int_matmul.quantize_tokens(x, fmt.ggml_type, fmt.act_block))
+        xq = None if codes is None else codes.get(fmt.ggml_type)
+        if xq is None:
+            xq = int_matmul.quantize_tokens(x, fmt.ggml_type, fmt.act_block)
+            if codes is not None:
+                codes[fmt.ggml_type] = xq
+        return int_matmul.matmul_codes(w, fmt.ggml_type, xq)
     if act_quant:
         x = quantize_activations(x, ggml_type)
     n_rows = w.shape[0]
@@ -186,23 +193,8 @@ def matmuls(weights: list[tuple[np.ndarray, int]], x: np.ndarray, act_quant: boo
     """[matmul(w, t, x, act_quant) for w, t in weights], the same results, with x rounded to int8 codes once per
     weight type rather than once per matrix (a DeltaNet layer's q/k/v and gate projections, an attention layer's
     q, k and v, an expert's gate and up all take one input)."""
-    if not (act_quant and x.ndim == 2 and x.shape[0] > 1):
-        return [matmul(w, t, x, act_quant) for w, t in weights]
-    from . import int_matmul
-
-    x = np.ascontiguousarray(x, np.float32)
-    codes: dict[int, int_matmul.TokenCodes] = {}
-    out = []
-    for w, t in weights:
-        fmt = _format(t)
-        _check_weights(w, fmt, x.shape[1])
-        if not int_matmul.use_codes(fmt.ggml_type, x.shape[1]):
-            out.append(matmul(w, t, x, act_quant))
-            continue
-        if fmt.ggml_type not in codes:
-            codes[fmt.ggml_type] = int_matmul.quantize_tokens(x, fmt.ggml_type, fmt.act_block)
-        out.append(int_matmul.matmul_codes(w, fmt.ggml_type, codes[fmt.ggml_type]))
-    return out
+    codes: dict = {}
+    return [matmul(w, t, x, act_quant, codes) for w, t in weights]
 
 
 # The format families register themselves on import; quant_dispatch imports them all.

@@ -87,11 +87,15 @@ class HostDevice:
         # Numba's thread count is per calling thread, so it is set by whichever thread runs the model.
         numba.set_num_threads(self.threads)
 
-    def linear(self, x: np.ndarray, w: QTensor) -> np.ndarray:
+    @staticmethod
+    def _check_linear(x: np.ndarray, w: QTensor) -> None:
         if w.data.ndim != 2:
             raise ValueError(f"linear needs a 2-D weight; '{w.name}' has shape {w.shape} (pick an expert first)")
         if x.ndim != 2 or x.shape[1] != w.row_len:
             raise ValueError(f"linear with '{w.name}' ({w.rows} x {w.row_len}) got input of shape {x.shape}")
+
+    def linear(self, x: np.ndarray, w: QTensor) -> np.ndarray:
+        self._check_linear(x, w)
         if x.shape[0] == 1:  # decode: one matrix-vector product, no tile decoding
             return quant.matvec(w.data, w.ggml_type, x[0], self.quantized_activations)[None, :]
         return quant.matmul(w.data, w.ggml_type, x, self.quantized_activations)
@@ -100,8 +104,7 @@ class HostDevice:
         if x.shape[0] == 1 or not self.quantized_activations:
             return [self.linear(x, w) for w in ws]
         for w in ws:
-            if w.data.ndim != 2 or x.ndim != 2 or x.shape[1] != w.row_len:
-                raise ValueError(f"linear with '{w.name}' ({w.rows} x {w.row_len}) got input of shape {x.shape}")
+            self._check_linear(x, w)
         return quant.matmuls([(w.data, w.ggml_type) for w in ws], x, act_quant=True)
 
     def swiglu_experts(self, x: np.ndarray, gate: QTensor, up: QTensor, down: QTensor, ids: np.ndarray,
