@@ -18,7 +18,7 @@ from .quant_legacy import (Q2_0, Q4_0, Q4_1, Q5_0, Q5_1, dequant_q2_0, dequant_q
                            dequant_q5_1, dot_q2_0)
 from .quant_dot import block_sums32, dot_q4_k, dot_q6_k, dot_q8_0
 from .quant_int import idot_q2_0, idot_q2_k, idot_q4_k, idot_q6_k, idot_q8_0, q8_activations
-from .simd import fdot_f32_64, prefetch_l2
+from .simd import IS_INTEL, fdot_f32_64, prefetch, prefetch_l2
 from .quant_nl import IQ4_NL, IQ4_XS, MXFP4, dequant_iq4_nl, dequant_iq4_xs, dequant_mxfp4
 from .quant_q8 import Q8_0, dequant_q8_0
 from .task_queue import claimed_runs, task_counter, worker_count
@@ -101,10 +101,15 @@ def dequant_rows_serial(t, w, out):
 
 # Bytes ahead whose rows a matrix-vector loop requests before it dots the current row. The hardware prefetchers
 # stop at every 4 KiB page (the file is mapped in 4 KiB pages), so a stream of rows from RAM stalls at each page
-# start. Requests into L2 (simd.prefetch_l2), about one 16-row task ahead: the output head (Q6_K, 255 MB) on 2
-# threads in 7.2-8.9 ms, against 8.7-11.9 ms asking into L1 for the row 4 ahead (alternating runs on an AMD EPYC;
-# on the earlier Xeon that had taken it from 9.7 to 12-13 GB/s, about what that machine read at best).
+# start. Which request pays depends on the core. AMD (Zen 4): into L2 (simd.prefetch_l2), about one 16-row task
+# ahead: the output head (Q6_K, 255 MB) on 2 threads in 7.2-8.9 ms, against 8.7-11.9 ms asking into L1 for the row
+# 4 ahead. Intel (a Xeon with AVX-512, 2 cores reading 33 GB/s): the row ~2 KiB ahead (the next one of the head)
+# into L1 (simd.prefetch): the head matrix alone from RAM on 2 threads 23.6-24.1 -> 25.0-28.3 GB/s, a 100000 x 2048
+# Q4_K matrix 20.1 -> 25.7 GB/s, where both requests together read 21.6-21.7 (Q6_K) and 4 KiB ahead into L1
+# 19.2-21.6 (alternating processes).
 PREFETCH_BYTES = 32768
+L1_PREFETCH_BYTES = 2048
+NEXT_ROW_INTO_L1 = IS_INTEL
 # Rows per task of the expert pools and the fused MoE block (float_dots / int_dots take a task's rows in one call),
 # and the unit of a matrix-vector product's runs of rows (task_queue.claimed_runs).
 ROW_TASK = 16
@@ -112,10 +117,16 @@ ROW_TASK = 16
 
 @numba.njit(inline="always", nogil=True)
 def prefetch_row(w, r):
-    """Request the row PREFETCH_BYTES past row r of w (uint8 [rows, row bytes]) into L2, if there is one."""
-    ahead = r + max(1, PREFETCH_BYTES // w.shape[1])
-    if ahead < w.shape[0]:
-        prefetch_l2(w[ahead], 0, w.shape[1])
+    """Request a row ahead of row r of w (uint8 [rows, row bytes]), if there is one: the row L1_PREFETCH_BYTES on
+    into L1 on Intel cores, the row PREFETCH_BYTES on into L2 elsewhere."""
+    if NEXT_ROW_INTO_L1:
+        ahead = r + max(1, L1_PREFETCH_BYTES // w.shape[1])
+        if ahead < w.shape[0]:
+            prefetch(w[ahead], 0, w.shape[1])
+    else:
+        ahead = r + max(1, PREFETCH_BYTES // w.shape[1])
+        if ahead < w.shape[0]:
+            prefetch_l2(w[ahead], 0, w.shape[1])
 
 
 @numba.njit(nogil=True, inline="always", fastmath=_FASTMATH)

@@ -49,6 +49,22 @@ HAS_VNNI = HAS_AVX512BW and bool(_host_features().get("avx512vnni"))
 # GFNI: vgf2p8affineqb, a bit matrix per 64-bit lane applied to every byte (two nibble unpacks in one instruction).
 HAS_GFNI = HAS_AVX512BW and bool(_host_features().get("gfni"))
 
+
+def _cpu_vendor() -> str:
+    """The x86 vendor string of /proc/cpuinfo ("GenuineIntel", "AuthenticAMD"), "" where there is none."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+# Intel cores stream rows best when each row's successor is asked into L1 (see quant_dispatch.prefetch_row).
+IS_INTEL = _cpu_vendor() == "GenuineIntel"
+
 _I8 = ir.IntType(8)
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
