@@ -24,10 +24,12 @@ Results: bench/results/decode_<tag>.json and .md.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -100,14 +102,56 @@ def strata_prefill(rt, prompt: np.ndarray) -> float:
     return time.perf_counter() - t
 
 
+def _llama_model(path: str, threads: int, n_ctx: int, extra_buffers: bool):
+    """A llama_cpp.Llama on the CPU; extra_buffers=False turns its extra weight buffer types off (the repacked
+    and AMX layouts: use_extra_bufts, which llama-cpp-python does not take as an argument)."""
+    import llama_cpp  # optional dependency: imported only when asked for
+    import llama_cpp.llama as llama_module
+
+    defaults = llama_module.llama_cpp.llama_model_default_params
+
+    def params():
+        p = defaults()
+        p.use_extra_bufts = extra_buffers
+        return p
+
+    llama_module.llama_cpp.llama_model_default_params = params
+    try:
+        return llama_cpp.Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, n_batch=512,
+                               n_gpu_layers=0, verbose=False)
+    finally:
+        llama_module.llama_cpp.llama_model_default_params = defaults
+
+
+_LLAMA_PROBE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from bench_decode import _llama_model
+llm = _llama_model(sys.argv[2], int(sys.argv[3]), 256, sys.argv[4] == "1")
+llm.eval(list(range(100, 164)))
+llm.eval([7])
+"""
+
+
+def llama_extra_buffers(path: str, threads: int) -> bool | None:
+    """Whether llama.cpp runs this file with its extra buffer types (its default), without them (they crashed:
+    0.3.36 built for a CPU with AMX dies in its first prompt on a qwen3next file), or not at all (None): a
+    64-token prompt and one decoded token in a child process each way, so a crash does not end the bench."""
+    for extra in (True, False):
+        probe = subprocess.run([sys.executable, "-c", _LLAMA_PROBE, str(Path(__file__).resolve().parent), path,
+                                str(threads), "1" if extra else "0"], capture_output=True, check=False)
+        if probe.returncode == 0:
+            return extra
+        print(f"llama.cpp {'with' if extra else 'without'} its extra buffer types failed on this file "
+              f"(exit status {probe.returncode})", file=sys.stderr)
+    return None
+
+
 class LlamaCpp:
     """llama.cpp through llama-cpp-python, if installed (the comparison is skipped otherwise)."""
 
-    def __init__(self, path: str, threads: int, n_ctx: int):
-        import llama_cpp  # optional dependency: imported only when asked for
-
-        self.llm = llama_cpp.Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
-                                   n_batch=512, n_gpu_layers=0, verbose=False)
+    def __init__(self, path: str, threads: int, n_ctx: int, extra_buffers: bool = True):
+        self.llm = _llama_model(path, threads, n_ctx, extra_buffers)
 
     def decode(self, prompt: np.ndarray, n_tokens: int) -> list[float]:
         self.llm.reset()
@@ -139,7 +183,7 @@ def markdown(r: dict) -> str:
         theirs = ll[key] if ll else None
         ratio = f"{mine / theirs:.2f}x" if theirs else "not run"
         roof = f"{100 * mine / r['roofline_tok_s']:.1f}%" if key == "decode_tok_s" else ""
-        return f"| {label} | {mine:.2f} | {f'{theirs:.2f}' if theirs else 'not installed'} | {ratio} | {roof} |"
+        return f"| {label} | {mine:.2f} | {f'{theirs:.2f}' if theirs else 'not run'} | {ratio} | {roof} |"
 
     prefill = f"prefill tok/s ({r['prompt_tokens']} tokens)"
     for mode, key in (("float activations", "strata_async"), ("int8 activations", "strata_async_int8")):
@@ -155,6 +199,9 @@ def markdown(r: dict) -> str:
              (f"- roofline: {r['roofline_tok_s']:.1f} tok/s; strata-async reaches "
              f"{100 * r['roofline_fraction']:.1f}% of it (float activations), "
              f"{100 * r['roofline_fraction_int8']:.1f}% (int8 activations)")]
+    if r.get("llama_cpp_extra_buffer_types") is False:
+        rows.append("- llama.cpp ran without its extra weight buffer types (repacked and AMX layouts): with them it "
+                    "crashed on this file")
     if "bandwidth_during_decode_gbps" in r:
         rows.append(f"- read bandwidth between the decode runs: "
                     f"{', '.join(f'{g:.1f}' for g in r['bandwidth_during_decode_gbps'])} GB/s (best of 2 passes "
@@ -185,12 +232,11 @@ def main() -> int:
     rng = np.random.default_rng(0)  # ids below 1000: real (unpadded) tokens of any vocabulary
     short_prompt = rng.integers(0, 1000, 8)
     long_prompt = rng.integers(0, 1000, a.prompt)
-    llama = None
-    if not a.no_llama:
-        try:
-            llama = LlamaCpp(a.model, a.threads, a.prompt + a.decode_tokens + 16)
-        except ImportError:
-            llama = None
+    llama, llama_extra = None, None
+    if not a.no_llama and importlib.util.find_spec("llama_cpp") is not None:
+        llama_extra = llama_extra_buffers(a.model, a.threads)
+        if llama_extra is not None:
+            llama = LlamaCpp(a.model, a.threads, a.prompt + a.decode_tokens + 16, llama_extra)
 
     touch_pages(a.model)
     # Warm up both engines on the paths they time: kernels compiled or loaded from Numba's cache, worker threads
@@ -237,6 +283,7 @@ def main() -> int:
         "strata_async": summary(mine),
         "strata_async_int8": summary(mine_int8),
         "llama_cpp": summary(theirs) if llama else None,
+        "llama_cpp_extra_buffer_types": llama_extra,
     }
     result["roofline_fraction"] = result["strata_async"]["decode_tok_s"] / roofline
     result["roofline_fraction_int8"] = result["strata_async_int8"]["decode_tok_s"] / roofline
