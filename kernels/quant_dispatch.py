@@ -106,10 +106,11 @@ def dequant_rows_serial(t, w, out):
 # 4 ahead. Intel (a Xeon with AVX-512, 2 cores reading 33 GB/s): the row ~2 KiB ahead (the next one of the head)
 # into L1 (simd.prefetch): the head matrix alone from RAM on 2 threads 23.6-24.1 -> 25.0-28.3 GB/s, a 100000 x 2048
 # Q4_K matrix 20.1 -> 25.7 GB/s, where both requests together read 21.6-21.7 (Q6_K) and 4 KiB ahead into L1
-# 19.2-21.6 (alternating processes).
+# 19.2-21.6 (alternating processes). (An earlier Xeon, reading 12-13 GB/s at best, had gained from the L2 requests
+# over none: 9.7 -> 12-13 GB/s; L1 requests 2 KiB ahead were not tried there.)
 PREFETCH_BYTES = 32768
 L1_PREFETCH_BYTES = 2048
-NEXT_ROW_INTO_L1 = IS_INTEL
+ROWS_INTO_L1 = IS_INTEL
 # Rows per task of the expert pools and the fused MoE block (float_dots / int_dots take a task's rows in one call),
 # and the unit of a matrix-vector product's runs of rows (task_queue.claimed_runs).
 ROW_TASK = 16
@@ -119,7 +120,7 @@ ROW_TASK = 16
 def prefetch_row(w, r):
     """Request a row ahead of row r of w (uint8 [rows, row bytes]), if there is one: the row L1_PREFETCH_BYTES on
     into L1 on Intel cores, the row PREFETCH_BYTES on into L2 elsewhere."""
-    if NEXT_ROW_INTO_L1:
+    if ROWS_INTO_L1:
         ahead = r + max(1, L1_PREFETCH_BYTES // w.shape[1])
         if ahead < w.shape[0]:
             prefetch(w[ahead], 0, w.shape[1])
