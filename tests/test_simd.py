@@ -23,16 +23,19 @@ def _f16_all(src, out):
         out[i] = ggml_blocks.f16(src, 2 * i)
 
 
+_HAS_AVX512 = simd.HAS_AVX512BW  # the CPU's, before any test patches it
+
+
 def _bytes(rng, n):
     b = rng.integers(0, 256, n, dtype=np.uint8)
     b[:4] = (0, 127, 128, 255)
     return b
 
 
-def _compiled(name):
-    """A new compiled caller of simd.<name>: an intrinsic picks its instructions when a caller compiles, so a
-    test that changes simd.HAS_AVX512BW needs a fresh one."""
-    fn = getattr(simd, name)
+def _compiled(name, module=simd):
+    """A new compiled caller of module.<name>: an intrinsic picks its instructions when a caller compiles, so a
+    test that changes simd.HAS_AVX512BW or simd.GRID_GATHER needs a fresh one."""
+    fn = getattr(module, name)
 
     @numba.njit
     def call(*args):
@@ -46,6 +49,14 @@ def avx512bw(request, monkeypatch):
     if request.param and not simd.HAS_AVX512BW:
         pytest.skip("this CPU has no AVX-512BW")
     monkeypatch.setattr(simd, "HAS_AVX512BW", request.param)
+
+
+@pytest.fixture(params=[True, False], ids=["gather", "loads"])
+def grid_gather(request, monkeypatch):
+    """Both ways of reading IQ2_XS grid points: a vpgatherqq per eight (Intel cores) and a load per point."""
+    if request.param and not _HAS_AVX512:
+        pytest.skip("this CPU has no AVX-512")
+    monkeypatch.setattr(simd, "GRID_GATHER", request.param)
 
 
 def test_idot_s8_32(rng):
@@ -259,7 +270,7 @@ def _iq2_xs_want(src, o, x, xo):
     return want
 
 
-def test_idot_iq2_xs_block(rng, avx512bw):
+def test_idot_iq2_xs_block(rng, avx512bw, grid_gather):
     """IQ2_XS blocks against gguf's grid and sign tables."""
     from strata_async.kernels import quant, quant_iq  # noqa: F401 - quant first: it loads the formats in order
 
@@ -271,7 +282,7 @@ def test_idot_iq2_xs_block(rng, avx512bw):
 
 
 @pytest.mark.skipif(not simd.HAS_AVX512BW, reason="this CPU has no AVX-512BW")
-def test_fdot_iq2_xs_blocks(rng):
+def test_fdot_iq2_xs_blocks(rng, grid_gather):
     """Whole IQ2_XS rows (three blocks; and the first alone): sum_b d_b / 8 * xd[b] * the block's integer sum."""
     from strata_async.kernels import quant, quant_iq  # noqa: F401
 
@@ -286,6 +297,57 @@ def test_fdot_iq2_xs_blocks(rng):
     for blocks in (nb, 1):
         got = _compiled("fdot_iq2_xs_blocks")(quant_iq._IQ2XS_GRID64, src, x, xd, blocks)
         assert abs(got - sum(terms[:blocks])) <= 1e-6 * bound, blocks
+
+
+def _iq2_xs_values(src, o):
+    """The 256 signed grid values of the IQ2_XS block at src[o] (scales not applied), from gguf's tables."""
+    from gguf import quants
+
+    quants.IQ2_XS.init_grid()
+    grid = quants.IQ2_XS.grid.reshape(512, 8).astype(np.int64)
+    ksigns = np.frombuffer(quants.IQ2_XXS.ksigns, np.uint8)
+    codes = src[o + 2:o + 66].copy().view(np.uint16).astype(np.int64)
+    signs = np.unpackbits(ksigns[codes >> 9][:, None], axis=1, bitorder="little").astype(np.int64)
+    return (grid[codes & 511] * (1 - 2 * signs)).reshape(-1)
+
+
+@pytest.mark.skipif(not simd.HAS_AVX512BW, reason="this CPU has no AVX-512BW")
+def test_iq2_xs_codes256(rng, grid_gather):
+    """A block's tile codes are 43 plus its signed grid values, for every grid point and sign index."""
+    from strata_async.kernels import quant, quant_iq, simd_gemm  # noqa: F401
+
+    nb = 2048 + 1  # every uint16 group code once in the first 2048 blocks, then one of random bytes
+    blocks = _bytes(rng, 74 * nb).reshape(nb, 74)
+    blocks[:2048, 2:66] = np.arange(65536, dtype=np.uint16).reshape(2048, 32).view(np.uint8)
+    src = np.concatenate([np.zeros(1, np.uint8), blocks.reshape(-1)])  # an odd offset
+    dst = np.zeros(300, np.uint8)
+    run = _compiled("iq2_xs_codes256", simd_gemm)
+    for b in range(nb):
+        o = 1 + 74 * b
+        run(quant_iq._IQ2XS_GRID64, src, o, dst, 7)
+        np.testing.assert_array_equal(dst[7:263].astype(np.int64), 43 + _iq2_xs_values(src, o))
+        assert not dst[:7].any() and not dst[263:].any()
+
+
+def test_fdot_iq2_xs_row(rng, grid_gather):
+    """The float dot of an IQ2_XS row: sum_b d_b / 8 * sum (2 s + 1) * value * x, against float64."""
+    from strata_async.kernels import quant, quant_iq  # noqa: F401
+
+    nb = 3
+    src = _bytes(rng, 74 * nb)
+    for b in range(nb):
+        src[74 * b:74 * b + 2] = _random_halves(rng, 1)
+    x = rng.standard_normal(256 * nb).astype(np.float32)
+    want = 0.0
+    for b in range(nb):
+        d = float(src[74 * b:74 * b + 2].copy().view(np.float16)[0])
+        nib = np.array([(int(src[74 * b + 66 + j // 2]) >> (4 * (j % 2))) & 15 for j in range(16)], np.float64)
+        scales = np.repeat(2 * nib + 1, 16)
+        want += d / 8 * float(np.dot(scales * _iq2_xs_values(src, 74 * b), x[256 * b:256 * (b + 1)]))
+    bound = sum(abs(float(src[74 * b:74 * b + 2].copy().view(np.float16)[0])) for b in range(nb)) / 8 * 31 * 43 * \
+        float(np.abs(x).sum())
+    got = _compiled("fdot_iq2_xs_row")(quant_iq._IQ2XS_GRID64, src, x, nb)
+    assert abs(got - want) <= 1e-6 * bound
 
 
 @numba.njit
