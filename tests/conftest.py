@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
+# `python -m pytest` puts the working directory, the repository root, first on sys.path. The top-level source
+# folders install as strata_async.runtime/io/kernels and are never meant to be importable by their bare names
+# from there: `kernels/` would shadow the `kernels` distribution that transformers (>= 5.25) imports when it
+# loads, and the tests would fail to collect. Drop the root before anything imports transformers.
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
 
-import assets
+import pytest  # noqa: E402
+
+import assets  # noqa: E402
 
 
 @functools.cache
