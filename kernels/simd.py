@@ -388,6 +388,11 @@ def _shuffle(builder, vec, lanes):
     return builder.shuffle_vector(vec, vec, _vec_const(32, lanes))
 
 
+def _pair_sums(builder, vec, n):
+    """Lanes 2i and 2i + 1 of an integer <n x iN> added: <n / 2 x iN>."""
+    return builder.add(_shuffle(builder, vec, range(0, n, 2)), _shuffle(builder, vec, range(1, n, 2)))
+
+
 def _int32_array(ty) -> bool:
     return _array_1d(ty, types.int32)
 
@@ -500,8 +505,7 @@ def _q4_k_lanes(context, builder, src_ty, src, o, xq_ty, xq, y, xs_ty, xs, g):
             part = _scaled_products(builder, codes, scale, x)
             total = part if total is None else builder.add(total, part)
     sums16 = _load_vec(context, builder, xs_ty, xs, g, _I32, 16)
-    sums32 = builder.add(_shuffle(builder, sums16, list(range(0, 16, 2))),
-                         _shuffle(builder, sums16, list(range(1, 16, 2))))
+    sums32 = _pair_sums(builder, sums16, 16)
     return total, builder.mul(builder.zext(mn, ir.VectorType(_I32, 8)), sums32)
 
 
@@ -861,8 +865,8 @@ def fdot_q8_0_octets(typingctx, src, x, xd, xs16, octets):
         src_ty, src_v, x_ty, x_v, xd_ty, xd_v, xs_ty, xs_v, n = (sig.args[0], args[0], sig.args[1], args[1],
                                                                  sig.args[2], args[2], sig.args[3], args[3], args[4])
         f32 = ir.FloatType()
-        v8f, v8i, v16i, v64 = ir.VectorType(f32, 8), ir.VectorType(_I32, 8), ir.VectorType(_I32, 16), ir.VectorType(
-            _I8, 64)
+        v8f, v8i = ir.VectorType(f32, 8), ir.VectorType(_I32, 8)
+        v16i, v64 = ir.VectorType(_I32, 16), ir.VectorType(_I8, 64)
         flip, zero = ir.Constant(v64, [-128] * 64), ir.Constant(v16i, [0] * 16)
 
         def fold(a, b, width):
@@ -888,9 +892,9 @@ def fdot_q8_0_octets(typingctx, src, x, xd, xs16, octets):
                                     builder.bitcast(xv, v16i), True))
             # 8 lanes a block -> 4 -> 2 -> 1
             pairs = fold(fold(sums[0], sums[1], 4), fold(sums[2], sums[3], 4), 2)
-            blocks = builder.add(_shuffle(builder, pairs, range(0, 16, 2)), _shuffle(builder, pairs, range(1, 16, 2)))
+            blocks = _pair_sums(builder, pairs, 16)
             xs = _load_vec(context, builder, xs_ty, xs_v, builder.mul(q, ir.Constant(q.type, 16)), _I32, 16)
-            xsum = builder.add(_shuffle(builder, xs, range(0, 16, 2)), _shuffle(builder, xs, range(1, 16, 2)))
+            xsum = _pair_sums(builder, xs, 16)
             exact = builder.sub(blocks, builder.mul(xsum, ir.Constant(v8i, [128] * 8)))
             scale8 = builder.fmul(_halves8(context, builder, src_ty, src_v, o, 34),
                                   _load_vec(context, builder, xd_ty, xd_v, builder.mul(q, ir.Constant(q.type, 8)), f32,
