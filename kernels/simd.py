@@ -259,18 +259,23 @@ def _madd_scaled(builder, codes, x, scales):
 
 
 # vgf2p8affineqb matrices (result bit i = parity(matrix byte 7 - i & input byte)): a byte's low nibble, its high
-# nibble shifted down; a vector of the first in quadwords 0-3 and the second in 4-7.
+# nibble shifted down.
 _LOW_NIBBLE, _HIGH_NIBBLE = 0x0102040800000000, 0x1020408000000000
-_NIBBLE_MATRICES = [(_LOW_NIBBLE if q < 4 else _HIGH_NIBBLE) >> 8 * j & 0xFF for q in range(8) for j in range(8)]
+
+
+def _affine_bytes(builder, data, matrices):
+    """One vgf2p8affineqb: every byte of quadword q of <64 x i8> data through the bit matrix matrices[q] (8 of
+    them, as 64-bit integers)."""
+    v64 = ir.VectorType(_I8, 64)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v64, [v64, v64, _I8]),
+                                        "llvm.x86.vgf2p8affineqb.512")
+    flat = [m >> 8 * j & 0xFF for m in matrices for j in range(8)]
+    return builder.call(fn, [data, _vec_const(8, [b - 256 if b > 127 else b for b in flat]), ir.Constant(_I8, 0)])
 
 
 def _nibbles64(builder, packed):
     """<64 x i8> packed bytes (32 bytes, twice) -> their low nibbles then their high nibbles, one vgf2p8affineqb."""
-    v64 = ir.VectorType(_I8, 64)
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v64, [v64, v64, _I8]),
-                                        "llvm.x86.vgf2p8affineqb.512")
-    matrices = _vec_const(8, [b - 256 if b > 127 else b for b in _NIBBLE_MATRICES])
-    return builder.call(fn, [packed, matrices, ir.Constant(_I8, 0)])
+    return _affine_bytes(builder, packed, [_LOW_NIBBLE] * 4 + [_HIGH_NIBBLE] * 4)
 
 
 def _madd_runs(builder, codes_a, codes_b, x, scales, first, run):
@@ -409,11 +414,30 @@ def _scales_minus_mins(builder, d, isc, dmin, imin):
     return builder.fsub(builder.fmul(d, builder.sitofp(isc, f32)), builder.fmul(dmin, builder.sitofp(imin, f32)))
 
 
+# vgf2p8affineqb matrices of the Q4_K scale unpack (_q4_k_scales_mins): a byte's low six bits, its top two bits
+# moved to bits 4-5, nothing.
+_LOW_SIX, _TOP_TWO_UP, _ZERO = 0x0102040810200000, 0x40800000, 0
+# Per quadword of the 64 bytes unpacked: (the source bytes' indices into the 12 scale bytes, the matrix). The low
+# four quadwords give sc 0-3, the low nibbles of sc 4-7, m 0-3 and the low nibbles of m 4-7; the high four the
+# top bits of sc 4-7 (quadword 5) and m 4-7 (quadword 7), ORed onto them.
+_Q4_K_SCALE_QUADS = (((0, 1, 2, 3), _LOW_SIX), ((8, 9, 10, 11), _LOW_NIBBLE), ((4, 5, 6, 7), _LOW_SIX),
+                     ((8, 9, 10, 11), _HIGH_NIBBLE), ((0, 1, 2, 3), _ZERO), ((0, 1, 2, 3), _TOP_TWO_UP),
+                     ((0, 1, 2, 3), _ZERO), ((4, 5, 6, 7), _TOP_TWO_UP))
+
+
 def _q4_k_scales_mins(context, builder, src_ty, src, o):
     """A Q4_K block's eight 6-bit scales and eight mins (ggml's get_scale_min_k4) as two <8 x i8>, unpacked
-    from the 12 bytes at o + 4 with shuffles."""
+    from the 12 bytes at o + 4: with GFNI one byte permute, one vgf2p8affineqb (a bit matrix per quadword:
+    the masks and shifts of every scale at once) and an OR of its halves, ~5 instructions where the shuffles
+    and masks below take ~13."""
     v8 = ir.VectorType(_I8, 8)
     sb = _load(context, builder, src_ty, src, _at(builder, o, 4), 16)  # the 12 scale bytes (+4 of codes)
+    if HAS_GFNI:
+        spread = _shuffle(builder, sb, [i for idx, _ in _Q4_K_SCALE_QUADS for i in idx * 2])
+        bits = _affine_bytes(builder, spread, [m for _, m in _Q4_K_SCALE_QUADS])
+        both = builder.or_(_shuffle(builder, bits, range(32)), _shuffle(builder, bits, range(32, 64)))
+        return _shuffle(builder, both, [0, 1, 2, 3, 8, 9, 10, 11]), _shuffle(builder, both, [16, 17, 18, 19, 24, 25,
+                                                                                               26, 27])
     low_half = ir.Constant(ir.VectorType(ir.IntType(1), 8), [1, 1, 1, 1, 0, 0, 0, 0])
 
     def lanes(idx):
@@ -539,10 +563,22 @@ def _k_row_codegen(lanes, size, at):
             y, g = builder.mul(b, ir.Constant(b.type, 256)), builder.mul(b, ir.Constant(b.type, 16))
             total, mins = lanes(context, builder, src_ty, src_v, o, xq_ty, xq_v, y, xs_ty, xs_v, g)
             n = mins.type.count
+            xdb = _elem(context, builder, xd_ty, xd_v, b)
+            if n == 8:  # Q4_K: the scaled dots' lanes folded to 8 beside the 8 mins, one conversion and one
+                # multiply-add a block, with [d xd] * 8 ++ [-dmin xd] * 8 (d and dmin converted as a pair)
+                while total.type.count > 8:
+                    half = total.type.count // 2
+                    total = builder.add(_shuffle(builder, total, range(half)),
+                                        _shuffle(builder, total, range(half, 2 * half)))
+                both = builder.shuffle_vector(total, mins, _vec_const(32, range(16)))
+                v2f = ir.VectorType(ir.FloatType(), 2)
+                dd = builder.fpext(_load_vec(context, builder, src_ty, src_v, _at(builder, o, at), ir.HalfType(), 2),
+                                   v2f)
+                dd = builder.fmul(builder.fmul(dd, _splat_f(builder, xdb, 2)), ir.Constant(v2f, [1.0, -1.0]))
+                return [(both, _shuffle(builder, dd, [0] * 8 + [1] * 8))]
             if n < 16:  # lanes n-15: zeros
                 mins = builder.shuffle_vector(mins, ir.Constant(mins.type, [0] * n),
                                               _vec_const(32, list(range(n)) + [n] * (16 - n)))
-            xdb = _elem(context, builder, xd_ty, xd_v, b)
             d = _half_at(context, builder, src_ty, src_v, _at(builder, o, at))
             dmin = _half_at(context, builder, src_ty, src_v, _at(builder, o, at + 2))
             return [(total, builder.fmul(d, xdb)), (mins, builder.fmul(builder.fneg(dmin), xdb))]
