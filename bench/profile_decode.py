@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numba
 import numpy as np
-from bench_decode import RESULTS, touch_pages
+from bench_decode import RESULTS, reread_from_disk, touch_pages
 from numba.core.registry import CPUDispatcher
 from strata_async.runtime import load_runtime
 
@@ -85,6 +85,7 @@ def main() -> int:
     a = ap.parse_args()
 
     marks: list[tuple[str, int, float]] = []
+    reread_from_disk(a.model)
     rt = load_runtime(a.model, threads=a.threads, max_context=64, quantized_activations=a.int8,
                       debug_hook=lambda name, layer, t: marks.append((name, layer, time.perf_counter())))
     touch_pages(a.model)
