@@ -529,6 +529,11 @@ def _q4_k_lanes(context, builder, src_ty, src, o, xq_ty, xq, y, xs_ty, xs, g):
             part = _scaled_products(builder, codes, scale, x)
             total = part if total is None else builder.add(total, part)
     sums16 = _load_vec(context, builder, xs_ty, xs, g, _I32, 16)
+    if HAS_AVX512BW:  # each 16-sum times its sub-block's min by one vpmaddwd: the sums' int32 lanes read as int16
+        # pairs (|sum| <= 16 * 128, so the low half is the value), the mins as (m, 0) pairs
+        w32 = ir.VectorType(ir.IntType(16), 32)
+        mins = builder.zext(_shuffle(builder, mn, [k // 2 for k in range(16)]), ir.VectorType(_I32, 16))
+        return total, _pmaddwd(builder, builder.bitcast(sums16, w32), builder.bitcast(mins, w32))
     sums32 = _pair_sums(builder, sums16, 16)
     return total, builder.mul(builder.zext(mn, ir.VectorType(_I32, 8)), sums32)
 
@@ -545,7 +550,7 @@ def idot_q4_k_block(typingctx, src, o, xq, y, xs16, g, d, dmin):
         src_ty, src_v, o_v, xq_ty, xq_v, y_v, xs_ty, xs_v, g_v, d, dmin = _kblock_args(sig, args)
         total, mins = _q4_k_lanes(context, builder, src_ty, src_v, o_v, xq_ty, xq_v, y_v, xs_ty, xs_v, g_v)
         isc = _reduce_add(builder, total, 16 if HAS_AVX512BW else 32)
-        return _scales_minus_mins(builder, d, isc, dmin, _reduce_add(builder, mins, 8))
+        return _scales_minus_mins(builder, d, isc, dmin, _reduce_add(builder, mins, mins.type.count))
     return types.float32(src, o, xq, y, xs16, g, types.float32, types.float32), codegen
 
 
@@ -563,25 +568,15 @@ def _k_row_codegen(lanes, size, at):
             y, g = builder.mul(b, ir.Constant(b.type, 256)), builder.mul(b, ir.Constant(b.type, 16))
             total, mins = lanes(context, builder, src_ty, src_v, o, xq_ty, xq_v, y, xs_ty, xs_v, g)
             n = mins.type.count
-            xdb = _elem(context, builder, xd_ty, xd_v, b)
-            if n == 8:  # Q4_K: the scaled dots' lanes folded to 8 beside the 8 mins, one conversion and one
-                # multiply-add a block, with [d xd] * 8 ++ [-dmin xd] * 8 (d and dmin converted as a pair)
-                while total.type.count > 8:
-                    half = total.type.count // 2
-                    total = builder.add(_shuffle(builder, total, range(half)),
-                                        _shuffle(builder, total, range(half, 2 * half)))
-                both = builder.shuffle_vector(total, mins, _vec_const(32, range(16)))
-                v2f = ir.VectorType(ir.FloatType(), 2)
-                dd = builder.fpext(_load_vec(context, builder, src_ty, src_v, _at(builder, o, at), ir.HalfType(), 2),
-                                   v2f)
-                dd = builder.fmul(builder.fmul(dd, _splat_f(builder, xdb, 2)), ir.Constant(v2f, [1.0, -1.0]))
-                return [(both, _shuffle(builder, dd, [0] * 8 + [1] * 8))]
             if n < 16:  # lanes n-15: zeros
                 mins = builder.shuffle_vector(mins, ir.Constant(mins.type, [0] * n),
                                               _vec_const(32, list(range(n)) + [n] * (16 - n)))
-            d = _half_at(context, builder, src_ty, src_v, _at(builder, o, at))
-            dmin = _half_at(context, builder, src_ty, src_v, _at(builder, o, at + 2))
-            return [(total, builder.fmul(d, xdb)), (mins, builder.fmul(builder.fneg(dmin), xdb))]
+            # d and dmin converted as a pair, times xd[b] and (1, -1)
+            v2f = ir.VectorType(ir.FloatType(), 2)
+            dd = builder.fpext(_load_vec(context, builder, src_ty, src_v, _at(builder, o, at), ir.HalfType(), 2), v2f)
+            dd = builder.fmul(builder.fmul(dd, _splat_f(builder, _elem(context, builder, xd_ty, xd_v, b), 2)),
+                              ir.Constant(v2f, [1.0, -1.0]))
+            return [(total, _shuffle(builder, dd, [0] * 16)), (mins, _shuffle(builder, dd, [1] * 16))]
         return _float_lanes_row(context, builder, args[4], terms)
     return codegen
 
