@@ -83,15 +83,11 @@ def reread_from_disk(path: str) -> None:
         paths = list(f.shard_paths) or [f.path]
     buffer = bytearray(16 << 20)
     for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # pages mapped elsewhere stay
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
-                while f.readinto(buffer):
-                    pass
-        finally:
-            os.close(fd)
+        with open(p, "rb", buffering=0) as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # pages mapped elsewhere stay
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            while f.readinto(buffer):
+                pass
 
 
 def touch_pages(path: str) -> None:

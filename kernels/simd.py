@@ -503,8 +503,8 @@ def fdot_q4_k_row(typingctx, src, x, xsum32, blocks):
 def _q4_k_lanes(context, builder, src_ty, src, o, xq_ty, xq, y, xs_ty, xs, g):
     """The lanes of a Q4_K block (144 bytes at src[o]) times 256 Q8_K codes xq[y:] with their 16-sums at xs[g:],
     before any reduction: (sum_j sc_j (q_j . x_j) spread over <16 x i32> (<32 x i32> without AVX-512BW),
-    m_j sum(x_j) as <8 x i32>). The eight 6-bit scales and mins come unpacked from their 12 bytes by shuffles,
-    the mins meet the pairwise-added 16-sums."""
+    m_j times each of sub-block j's two 16-sums as <16 x i32> (without AVX-512BW m_j times their sum, <8 x i32>)).
+    The eight 6-bit scales and mins come from their 12 bytes by _q4_k_scales_mins."""
     sc, mn = _q4_k_scales_mins(context, builder, src_ty, src, o)
     sc16 = builder.zext(sc, ir.VectorType(ir.IntType(16), 8))
     total = None
@@ -556,9 +556,9 @@ def idot_q4_k_block(typingctx, src, o, xq, y, xs16, g, d, dmin):
 
 def _k_row_codegen(lanes, size, at):
     """The codegen of a row dot over k-quant blocks with mins (fdot_q4_k_blocks, fdot_q2_k_blocks): sum over
-    blocks b of xd[b] * (d * scaled dots - dmin * mins), `lanes` giving a block's two int32 lane vectors (before
-    reduction), blocks of `size` bytes with the fp16 d and dmin at byte `at`; into float lanes with d * xd[b]
-    and -dmin * xd[b] (_float_lanes_row)."""
+    blocks b of xd[b] * (d * scaled dots - dmin * mins), `lanes` giving a block's two <16 x i32> lane vectors
+    (before reduction; AVX-512BW), blocks of `size` bytes with the fp16 d and dmin at byte `at`; into float lanes
+    with d * xd[b] and -dmin * xd[b] (_float_lanes_row)."""
     def codegen(context, builder, sig, args):
         src_ty, src_v, xq_ty, xq_v, xd_ty, xd_v, xs_ty, xs_v = (sig.args[0], args[0], sig.args[1], args[1],
                                                                 sig.args[2], args[2], sig.args[3], args[3])
@@ -567,10 +567,6 @@ def _k_row_codegen(lanes, size, at):
             o = builder.mul(b, ir.Constant(b.type, size))
             y, g = builder.mul(b, ir.Constant(b.type, 256)), builder.mul(b, ir.Constant(b.type, 16))
             total, mins = lanes(context, builder, src_ty, src_v, o, xq_ty, xq_v, y, xs_ty, xs_v, g)
-            n = mins.type.count
-            if n < 16:  # lanes n-15: zeros
-                mins = builder.shuffle_vector(mins, ir.Constant(mins.type, [0] * n),
-                                              _vec_const(32, list(range(n)) + [n] * (16 - n)))
             # d and dmin converted as a pair, times xd[b] and (1, -1)
             v2f = ir.VectorType(ir.FloatType(), 2)
             dd = builder.fpext(_load_vec(context, builder, src_ty, src_v, _at(builder, o, at), ir.HalfType(), 2), v2f)
