@@ -23,7 +23,7 @@ IQ2_XS gate/up of a 512-token prompt (512 experts x ~10 tokens, from RAM, 2 thre
 import numba
 
 from . import quant  # noqa: F401 - first: the format modules import each other through it
-from .quant_iq import _IQ2XS_GRID64, IQ2_XS
+from .quant_iq import _IQ2XS_TABLES, IQ2_XS
 from .quant_k import Q2_K, Q4_K, Q6_K
 from .quant_legacy import Q2_0
 from .quant_q8 import Q8_0
@@ -110,7 +110,7 @@ def _scales_q2_k(src, stride, r0, n, v0, ch, scale, bias):
 
 @numba.njit(inline="always", nogil=True)
 def _codes_iq2_xs(src, v0, dst):
-    iq2_xs_codes256(_IQ2XS_GRID64, src, 74 * (v0 // 256), dst, 0)
+    iq2_xs_codes256(_IQ2XS_TABLES, src, 74 * (v0 // 256), dst, 0)
 
 
 @numba.njit(inline="always", nogil=True)

@@ -14,7 +14,8 @@ from gguf import quants as gguf_quants
 
 from .ggml_blocks import f16, half_to_float, u16, u32
 from .quant import register_type
-from .simd import HAS_AVX512BW, HAS_F16C, dequant_iq2_xs_block, fdot_iq2_xs_row, fdot_iq2_xs_blocks, idot_iq2_xs_block
+from .simd import (HAS_AVX512BW, HAS_F16C, IQ2_XS_MAGNITUDES, IQ2_XS_POINTS, dequant_iq2_xs_block, fdot_iq2_xs_blocks,
+                   fdot_iq2_xs_row, idot_iq2_xs_block)
 
 IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M = 16, 17, 18, 19, 21, 22, 29
 _QK = 256
@@ -46,9 +47,14 @@ assert _KSIGNS.shape == (128,)
 # +1 / -1 for bit j of a sign byte: applying signs by multiplication keeps the 8-value loops branch-free
 # (vectorizable) instead of a select per value.
 _SIGN8 = np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, -1.0, 1.0).astype(np.float32)
-# The same tables as vector lanes (kernels/simd): IQ2_XS grid points as 8 bytes in a uint64 (the integer dot and
-# the decoder), and each sign index's 8 signs as 0xFF (negative) / 0x00 bytes (the decoder; the dot computes them).
-_IQ2XS_GRID64 = np.ascontiguousarray(_IQ2XS_GRID.astype(np.uint8)).view(np.uint64).reshape(-1)
+# The IQ2_XS grid as the vector code takes it (simd.IQ2_XS_POINTS): the points as 8 byte magnitudes in a uint64,
+# then as 2-bit level codes, value j's at bits 2 j of a uint16 (the signs are computed from the code bits).
+_IQ2XS_LEVELS = np.searchsorted(np.array(IQ2_XS_MAGNITUDES, np.float32), _IQ2XS_GRID).astype(np.uint16)
+assert np.array_equal(np.array(IQ2_XS_MAGNITUDES, np.float32)[_IQ2XS_LEVELS], _IQ2XS_GRID)
+_IQ2XS_TABLES = np.concatenate([
+    np.ascontiguousarray(_IQ2XS_GRID.astype(np.uint8)).view(np.uint64).reshape(-1),
+    (_IQ2XS_LEVELS << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1, dtype=np.uint16).view(np.uint64)])
+assert _IQ2XS_TABLES.shape == (IQ2_XS_POINTS + 128,)
 
 
 @numba.njit(inline="always", nogil=True)
@@ -86,7 +92,7 @@ def dequant_iq2_xs(src, dst):
     # block: d fp16 | 32 x u16 (9-bit grid index, 7 sign bits) | 8 scale bytes (two 4-bit scales)   (74 bytes)
     for b in range(dst.shape[0] // _QK):
         o = b * 74
-        dequant_iq2_xs_block(_IQ2XS_GRID64, src, o, f16(src, o), dst, b * _QK)
+        dequant_iq2_xs_block(_IQ2XS_TABLES, src, o, f16(src, o), dst, b * _QK)
 
 
 @numba.njit(nogil=True, cache=True, fastmath=False)
@@ -207,7 +213,7 @@ register_type(IQ1_M, "IQ1_M", _QK, 56, act_block=_Q8_K)
 def dot_iq2_xs(src, x, xsum32):
     """One IQ2_XS row times float32 x, straight from the blocks: per 256 d / 8 * sum (2 s + 1) value x (the
     decoded row and a float dot had cost 0.27-0.37 ns per weight)."""
-    return fdot_iq2_xs_row(_IQ2XS_GRID64, src, x, x.shape[0] // _QK)
+    return fdot_iq2_xs_row(_IQ2XS_TABLES, src, x, x.shape[0] // _QK)
 
 
 @numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
@@ -215,10 +221,10 @@ def idot_iq2_xs(src, xq, xd, xs16):
     """One IQ2_XS row times Q8_K activations (ggml's vec_dot_iq2_xs_q8_K): per 16 values the integer dot of
     the signed grid values with the codes times (2 scale + 1), per 256 d * xd / 8."""
     if HAS_AVX512BW and HAS_F16C:
-        return fdot_iq2_xs_blocks(_IQ2XS_GRID64, src, xq, xd, xq.shape[0] // _QK)
+        return fdot_iq2_xs_blocks(_IQ2XS_TABLES, src, xq, xd, xq.shape[0] // _QK)
     acc = np.float32(0.0)
     for b in range(xq.shape[0] // _QK):
         o = b * 74
-        isum = idot_iq2_xs_block(_IQ2XS_GRID64, src, o, xq, b * _QK)
+        isum = idot_iq2_xs_block(_IQ2XS_TABLES, src, o, xq, b * _QK)
         acc += f16(src, o) * xd[b] * np.float32(isum)
     return acc * np.float32(0.125)

@@ -64,10 +64,15 @@ def _cpu_vendor() -> str:
 
 # Intel cores stream rows best when the rows ~2 KiB ahead are asked into L1 (see quant_dispatch.prefetch_row).
 IS_INTEL = _cpu_vendor() == "GenuineIntel"
-# IQ2_XS grid points: eight by one vpgatherqq on Intel cores, a load each elsewhere (_iq2_xs_block). On a Zen 4
-# core the loads were 1.25x faster; on an Intel Xeon (2 vCPUs, in cache, alternating runs) the gather took the
-# integer dot from 0.064-0.068 to 0.053-0.057 ns per weight and the float dot from 0.111-0.117 to 0.098-0.101.
-GRID_GATHER = IS_INTEL and HAS_AVX512BW
+HAS_VBMI = HAS_AVX512BW and bool(_host_features().get("avx512vbmi")) and bool(_host_features().get("avx512bitalg"))
+# How the IQ2_XS grid points and signs of a block are read (_iq2_xs_block): "permute", the grid's level codes looked
+# up in registers and the signs taken into mask registers (_permuted_steps; AVX-512 VBMI and BITALG; on an AMD EPYC
+# (Zen 4) core, in cache, alternating, the integer dot 0.054 -> 0.048-0.049 ns per weight, the float dot 0.119 ->
+# 0.110-0.115 against a load each, of which the look-up's eight vpermi2w and selects are ~0.018); "gather",
+# eight points by one vpgatherqq (on an Intel Xeon, 2 vCPUs, in cache, alternating runs, the integer dot
+# 0.064-0.068 -> 0.053-0.057 ns per weight against a load each, the float dot 0.111-0.117 -> 0.098-0.101; not
+# measured there against "permute"); "loads", a load per point.
+GRID_READ = "gather" if IS_INTEL and HAS_AVX512BW else "permute" if HAS_VBMI else "loads"
 
 _I8 = ir.IntType(8)
 _I32 = ir.IntType(32)
@@ -590,16 +595,23 @@ def _u64_table(ty) -> bool:
     return _array_1d(ty, types.uint64)
 
 
+# The IQ2_XS grid table the i-quant intrinsics take (quant_iq._IQ2XS_TABLES, uint64): the 512 grid points, each 8
+# byte magnitudes, then the same points as 2-bit level codes (value j's magnitude IQ2_XS_MAGNITUDES[level] at bits
+# 2 j of a uint16; 512 of them in 128 uint64) for GRID_READ "permute".
+IQ2_XS_POINTS = 512
+IQ2_XS_MAGNITUDES = (8, 25, 43)
+
+
 def _grid_points(context, builder, grid_ty, grid, src_ty, src, o, codes):
     """The grid points of the IQ2_XS block at src[o] (its 32 uint16 group codes also given as <32 x i16>), as four
-    <64 x i8>, each the byte magnitudes of eight groups. On Intel cores (GRID_GATHER) a vpgatherqq per eight;
-    elsewhere a load per point (on an AMD EPYC (Zen 4) core 1.25x faster than the gather), each code loaded on its
-    own: taken out of the codes' vector instead they cost a vpextrw each."""
+    <64 x i8>, each the byte magnitudes of eight groups, by GRID_READ "gather" or "loads": a load per point (on an
+    AMD EPYC (Zen 4) core 1.25x faster than the gather), each code loaded on its own: taken out of the codes'
+    vector instead they cost a vpextrw each."""
     i16, i64 = ir.IntType(16), ir.IntType(64)
     v8 = ir.VectorType(i64, 8)
     grid_data = _data(context, builder, grid_ty, grid)
     points = []
-    if GRID_GATHER:
+    if GRID_READ == "gather":
         index = builder.and_(builder.zext(codes, ir.VectorType(i64, 32)), ir.Constant(ir.VectorType(i64, 32),
                                                                                      [511] * 32))
         base = builder.bitcast(grid_data, _I8.as_pointer())
@@ -621,22 +633,72 @@ def _grid_points(context, builder, grid_ty, grid, src_ty, src, o, codes):
     return points
 
 
+# GRID_READ "permute": the block's 32 codes reordered once so that quadword q holds groups q, 8 + q, 16 + q, 24 + q
+# (word s of it: step s's group q), which is how vpmultishiftqb and vpshufbitqmb read a step's eight groups.
+_COLUMNS = [8 * (w % 4) + w // 4 for w in range(32)]
+
+
+def _permuted_steps(context, builder, grid_ty, grid, codes):
+    """The four steps' grid magnitudes (<64 x i8>) and negative lanes (<64 x i1>) of an IQ2_XS block from its
+    codes <32 x i16> (AVX-512 VBMI, BITALG): the 512 level codes (IQ2_XS_POINTS) are 16 registers; vpermi2w looks
+    the 32 groups up in each pair of 64 and three selects on index bits 6-8 pick the pair; per step vpmultishiftqb
+    puts value j's level in the low bits of byte j and vpshufb maps levels to magnitudes, while vpshufbitqmb
+    takes the sign bits straight into a mask register. About 60 instructions a block where a load and an insert
+    per point and sign bytes spread per step took ~110."""
+    i16 = ir.IntType(16)
+    v32 = ir.VectorType(i16, 32)
+    v64 = ir.VectorType(_I8, 64)
+    cols = _shuffle(builder, codes, _COLUMNS)
+    index = builder.and_(cols, _vec_const(16, [511] * 32))
+    grid_data = _data(context, builder, grid_ty, grid)
+    levels = builder.bitcast(builder.gep(grid_data, [ir.Constant(_I64, IQ2_XS_POINTS)]), v32.as_pointer())
+    table = [builder.load(builder.gep(levels, [ir.Constant(_I64, t)]), align=8) for t in range(16)]
+    parts = [_x86(builder, "llvm.x86.avx512.vpermi2var.hi.512", v32, [table[2 * k], index, table[2 * k + 1]])
+             for k in range(8)]
+    for bit in (6, 7, 8):
+        high = builder.icmp_unsigned("!=", builder.and_(index, _vec_const(16, [1 << bit] * 32)),
+                                     _vec_const(16, [0] * 32))
+        parts = [builder.select(high, parts[2 * i + 1], parts[2 * i]) for i in range(len(parts) // 2)]
+    lv = builder.bitcast(parts[0], v64)
+    # a group's sign bits: its code's bits 9-15 for values 0-6, for value 7 the parity of their count (bit 0 here)
+    ctpop = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32, [v32]), "llvm.ctpop.v32i16")
+    signs = builder.or_(builder.and_(cols, _vec_const(16, [0xFE00] * 32)),
+                        builder.call(ctpop, [builder.lshr(cols, _vec_const(16, [9] * 32))]))
+    signs = builder.bitcast(signs, v64)
+    magnitudes = _vec_const(8, [IQ2_XS_MAGNITUDES[j % 4] if j % 4 < 3 else 0 for j in range(64)])
+    steps = []
+    for s in range(4):
+        fields = _x86(builder, "llvm.x86.avx512.pmultishift.qb.512", v64,
+                      [_vec_const(8, [16 * s + 2 * (j % 8) for j in range(64)]), lv])
+        g8 = _x86(builder, "llvm.x86.avx512.pshuf.b.512", v64,
+                  [magnitudes, builder.and_(fields, _vec_const(8, [3] * 64))])
+        neg = _x86(builder, "llvm.x86.avx512.vpshufbitqmb.512", ir.VectorType(ir.IntType(1), 64),
+                   [signs, _vec_const(8, [16 * s + (9 + j % 8 if j % 8 < 7 else 0) for j in range(64)])])
+        steps.append((g8, neg))
+    return steps
+
+
 def _iq2_xs_block(context, builder, grid_ty, grid, src_ty, src, o):
     """The parts of the IQ2_XS block at src[o] (74 bytes: fp16 d, 32 uint16 group codes, 8 scale bytes) that its
-    four 64-value steps take, computed once a block: the codes, their sign bytes and the 16 scale nibbles (per
-    step they had cost a fifth of the integer dot). Returns step(s) -> (the grid magnitudes of values 64 s ..
-    64 s + 63 as <64 x i8>, their sign masks, 0xFF where negative, as <64 x i8>, their four scale nibbles as
-    <4 x i8>). A group's uint16 holds its grid point (low 9 bits) and sign index (high 7 bits)."""
+    four 64-value steps take, computed once a block: the grid magnitudes, the signs and the 16 scales (per step
+    they had cost a fifth of the integer dot). Returns step(s) -> (the grid magnitudes of values 64 s .. 64 s + 63
+    as <64 x i8>, their negative lanes as <64 x i1>, their four scales 2 s + 1 as <4 x i16>, the integer form of
+    ggml's (0.5 + s) / 4). A group's uint16 holds its grid point (low 9 bits) and sign index (high 7 bits)."""
     i16 = ir.IntType(16)
     codes = _load_vec(context, builder, src_ty, src, _at(builder, o, 2), i16, 32)
-    points = _grid_points(context, builder, grid_ty, grid, src_ty, src, o, codes)
-    signs = _sign_bytes(builder, codes, 32)
-    sb = _load(context, builder, src_ty, src, _at(builder, o, 66), 8)
-    nibs = builder.and_(builder.lshr(_shuffle(builder, sb, [j // 2 for j in range(16)]), _vec_const(8, [0, 4] * 8)),
-                        _vec_const(8, [15] * 16))
+    sb = builder.zext(_load(context, builder, src_ty, src, _at(builder, o, 66), 8), ir.VectorType(i16, 8))
+    nibs = builder.and_(builder.lshr(_shuffle(builder, sb, [j // 2 for j in range(16)]), _vec_const(16, [0, 4] * 8)),
+                        _vec_const(16, [15] * 16))
+    odd = builder.add(builder.shl(nibs, _vec_const(16, [1] * 16)), _vec_const(16, [1] * 16))
+    if GRID_READ == "permute":
+        steps = _permuted_steps(context, builder, grid_ty, grid, codes)
+    else:
+        points = _grid_points(context, builder, grid_ty, grid, src_ty, src, o, codes)
+        signs = _sign_bytes(builder, codes, 32)
+        steps = [(points[s], _sign_masks(builder, signs, 8 * s, 8)) for s in range(4)]
 
     def step(s):
-        return points[s], _sign_masks(builder, signs, 8 * s, 8), _shuffle(builder, nibs, [4 * s + k for k in range(4)])
+        return steps[s][0], steps[s][1], _shuffle(builder, odd, [4 * s + k for k in range(4)])
     return step
 
 
@@ -652,16 +714,15 @@ def _sign_bytes(builder, codes, n):
 
 
 def _sign_masks(builder, signs, first, n):
-    """The sign-mask bytes (0xFF where negative) of groups first .. first + n - 1 of sign bytes <m x i8>."""
+    """The negative lanes (<8 n x i1>) of groups first .. first + n - 1 of sign bytes <m x i8>."""
     spread = _shuffle(builder, signs, [first + j // 8 for j in range(8 * n)])
     bits = builder.and_(spread, _vec_const(8, [1 << (j % 8) if j % 8 < 7 else -128 for j in range(8 * n)]))
-    zero = ir.Constant(ir.VectorType(_I8, 8 * n), [0] * (8 * n))
-    return builder.sext(builder.icmp_unsigned("!=", bits, zero), ir.VectorType(_I8, 8 * n))
+    return builder.icmp_unsigned("!=", bits, ir.Constant(ir.VectorType(_I8, 8 * n), [0] * (8 * n)))
 
 
-def _negate_where(builder, v, mask):
-    """v negated in the lanes where mask is all ones (two's complement: (v ^ m) - m)."""
-    return builder.sub(builder.xor(v, mask), mask)
+def _negate_where(builder, v, neg):
+    """v negated in the lanes where neg (<n x i1>) is set."""
+    return builder.select(neg, builder.sub(ir.Constant(v.type, [0] * v.type.count), v), v)
 
 
 def _q2_0_code_lanes(builder, spread, x64):
@@ -745,12 +806,6 @@ def idot_q2_0_block(typingctx, src, o, x, xo, xs16, g):
     return types.UniTuple(types.int32, 2)(src, o, x, xo, xs16, g), codegen
 
 
-def _odd_scales(builder, nib):
-    """2 s + 1 for each 4-bit scale s of <4 x i8>, as <4 x i16> (the integer form of ggml's (0.5 + s) / 4)."""
-    return builder.add(builder.shl(builder.zext(nib, ir.VectorType(ir.IntType(16), 4)), _vec_const(16, [1] * 4)),
-                       _vec_const(16, [1] * 4))
-
-
 def _iq2_xs_lanes(context, builder, grid_ty, grid, src_ty, src, o, x_ty, x, xo):
     """The int32 lanes of one IQ2_XS block (74 bytes at src[o]) times 256 int8 x[xo:], before reduction
     (<16 x i32>, <32 x i32> without AVX-512BW): per 16 values (2 * 4-bit scale + 1) * (signed grid values . x).
@@ -760,9 +815,8 @@ def _iq2_xs_lanes(context, builder, grid_ty, grid, src_ty, src, o, x_ty, x, xo):
     total = None
     block = _iq2_xs_block(context, builder, grid_ty, grid, src_ty, src, o)
     for step in range(4):  # 64 weights: eight groups, four scale nibbles
-        g8, m8, nib = block(step)
-        xs = _negate_where(builder, _load(context, builder, x_ty, x, _at(builder, xo, 64 * step), 64), m8)
-        sc4 = _odd_scales(builder, nib)
+        g8, neg, sc4 = block(step)
+        xs = _negate_where(builder, _load(context, builder, x_ty, x, _at(builder, xo, 64 * step), 64), neg)
         if HAS_AVX512BW:
             part = _madd_scaled(builder, g8, xs, _shuffle(builder, sc4, [k // 8 for k in range(32)]))
         else:
@@ -814,8 +868,8 @@ def fdot_iq2_xs_blocks(typingctx, grid, src, x, xd, blocks):
 @intrinsic
 def fdot_iq2_xs_row(typingctx, grid, src, x, blocks):
     """sum over the first `blocks` IQ2_XS blocks (74 bytes) of a row times float32 x of d / 8 * sum over the
-    block's 256 values of (2 s + 1) * signed grid value * x. The grid points come by a load each, the signs from
-    the code bits; value times run scale is an exact int16 product (|value| <= 43, 2 s + 1 <= 31), converted once
+    block's 256 values of (2 s + 1) * signed grid value * x. The grid points and signs come from _iq2_xs_block;
+    value times run scale is an exact int16 product (|value| <= 43, 2 s + 1 <= 31), converted once
     and multiplied with x in float lanes kept across the row (_float_lanes_row)."""
     if not (_u64_table(grid) and _byte_array(src) and _float_array(x)):
         return None
@@ -830,9 +884,8 @@ def fdot_iq2_xs_row(typingctx, grid, src, x, blocks):
             total = None
             block = _iq2_xs_block(context, builder, grid_ty, grid_v, src_ty, src_v, o)
             for step in range(4):  # 64 values: eight groups, four scale nibbles
-                g8, m8, nib = block(step)
-                values = builder.sext(_negate_where(builder, g8, m8), ir.VectorType(i16, 64))
-                sc4 = _odd_scales(builder, nib)
+                g8, neg, sc4 = block(step)
+                values = builder.sext(_negate_where(builder, g8, neg), ir.VectorType(i16, 64))
                 scaled = builder.mul(values, _shuffle(builder, sc4, [k // 16 for k in range(64)]))
                 xv = _load_vec(context, builder, x_ty, x_v, _at(builder, y, 64 * step), f32, 64)
                 part = builder.fmul(builder.sitofp(scaled, ir.VectorType(f32, 64)), xv, flags=_FL)
@@ -1049,8 +1102,8 @@ def dequant_q6_half(typingctx, src, ql, qh, sc, d, dst, y):
 @intrinsic
 def dequant_iq2_xs_block(typingctx, grid, src, o, d, dst, y):
     """One IQ2_XS block (74 bytes at src[o], its fp16 d given as a float) into dst[y:y+256]: per 16 values
-    (d * (0.5 + s) * 0.25) * signed grid value, ggml's operations in its order (bit-exact). Grid points by a load
-    each and signs from the code bits (_iq2_xs_block), 64 values a step (a table look-up per group for its signs,
+    (d * (0.5 + s) * 0.25) * signed grid value, ggml's operations in its order (bit-exact). Grid points and signs
+    as _iq2_xs_block reads them, 64 values a step (a table look-up per group for its signs,
     32 values a call, had cost 0.21-0.27 ns per value; 64 a step 0.16)."""
     if not (_u64_table(grid) and _byte_array(src) and _float_array(dst)):
         return None
@@ -1064,11 +1117,11 @@ def dequant_iq2_xs_block(typingctx, grid, src, o, d, dst, y):
                       [0] * 4)
         block = _iq2_xs_block(context, builder, grid_ty, grid_v, src_ty, src_v, o_v)
         for step in range(4):  # 64 values: eight groups, four scale nibbles
-            g8, m8, nib = block(step)
-            values = builder.sitofp(_negate_where(builder, g8, m8), ir.VectorType(f32, 64))
-            half = ir.Constant(v4f, [0.5] * 4)
-            db = builder.fmul(builder.fmul(d4, builder.fadd(half, builder.uitofp(nib, v4f))),
-                              ir.Constant(v4f, [0.25] * 4))
+            g8, neg, sc4 = block(step)
+            values = builder.sitofp(_negate_where(builder, g8, neg), ir.VectorType(f32, 64))
+            # (0.5 + s) is (2 s + 1) / 2, exactly: d * it, then * 0.25 as ggml rounds them
+            half_odd = builder.fmul(builder.uitofp(sc4, v4f), ir.Constant(v4f, [0.5] * 4))
+            db = builder.fmul(builder.fmul(d4, half_odd), ir.Constant(v4f, [0.25] * 4))
             out = builder.fmul(_shuffle(builder, db, [k // 16 for k in range(64)]), values)
             _store(context, builder, dst_ty, dst_v, _at(builder, y_v, 64 * step), out)
         return context.get_dummy_value()

@@ -302,9 +302,8 @@ def crumb_codes64(typingctx, src, o, dst, y):
 
 @intrinsic
 def iq2_xs_codes256(typingctx, grid, src, o, dst, y):
-    """dst[y:y + 256] = the codes 43 +- grid value of the IQ2_XS block at src[o] (grid: uint64 [points], 8 byte
-    magnitudes each): the points by a load each from the 4 KiB grid and the signs computed from the code bits
-    (simd._iq2_xs_block, as the decode dot takes them)."""
+    """dst[y:y + 256] = the codes 43 +- grid value of the IQ2_XS block at src[o] (grid: quant_iq's
+    grid tables, simd.IQ2_XS_POINTS): the points and signs as the decode dot takes them (simd._iq2_xs_block)."""
     if not (_array_1d(grid, types.uint64) and _byte_array(src) and _byte_array(dst)):
         return None
 
@@ -314,9 +313,8 @@ def iq2_xs_codes256(typingctx, grid, src, o, dst, y):
         v64 = ir.VectorType(_I8, 64)
         c43 = ir.Constant(v64, [43] * 64)
         for step in range(4):
-            g8, m8, _ = block(step)
-            codes = builder.select(builder.trunc(m8, ir.VectorType(ir.IntType(1), 64)), builder.sub(c43, g8),
-                                   builder.add(c43, g8))
+            g8, neg, _ = block(step)
+            codes = builder.select(neg, builder.sub(c43, g8), builder.add(c43, g8))
             _store(context, builder, sig.args[3], dst_v, builder.add(y_v, ir.Constant(y_v.type, 64 * step)), codes)
         return context.get_dummy_value()
     return types.none(grid, src, o, dst, y), codegen

@@ -34,7 +34,7 @@ def _bytes(rng, n):
 
 def _compiled(name, module=simd):
     """A new compiled caller of module.<name>: an intrinsic picks its instructions when a caller compiles, so a
-    test that changes simd.HAS_AVX512BW or simd.GRID_GATHER needs a fresh one."""
+    test that changes simd.HAS_AVX512BW or simd.GRID_READ needs a fresh one."""
     fn = getattr(module, name)
 
     @numba.njit
@@ -51,12 +51,13 @@ def avx512bw(request, monkeypatch):
     monkeypatch.setattr(simd, "HAS_AVX512BW", request.param)
 
 
-@pytest.fixture(params=[True, False], ids=["gather", "loads"])
-def grid_gather(request, monkeypatch):
-    """Both ways of reading IQ2_XS grid points: a vpgatherqq per eight (Intel cores) and a load per point."""
-    if request.param and not _HAS_AVX512:
-        pytest.skip("this CPU has no AVX-512")
-    monkeypatch.setattr(simd, "GRID_GATHER", request.param)
+@pytest.fixture(params=["gather", "permute", "loads"])
+def grid_read(request, monkeypatch):
+    """Every way of reading IQ2_XS grid points: a vpgatherqq per eight (Intel cores), the level codes permuted in
+    registers (AVX-512 VBMI) and a load per point."""
+    if request.param == "gather" and not _HAS_AVX512 or request.param == "permute" and not simd.HAS_VBMI:
+        pytest.skip(f"this CPU cannot read grid points by {request.param}")
+    monkeypatch.setattr(simd, "GRID_READ", request.param)
 
 
 def test_idot_s8_32(rng):
@@ -297,7 +298,7 @@ def _iq2_xs_want(src, o, x, xo):
     return want
 
 
-def test_idot_iq2_xs_block(rng, avx512bw, grid_gather):
+def test_idot_iq2_xs_block(rng, avx512bw, grid_read):
     """IQ2_XS blocks against gguf's grid and sign tables."""
     from strata_async.kernels import quant, quant_iq  # noqa: F401 - quant first: it loads the formats in order
 
@@ -305,11 +306,11 @@ def test_idot_iq2_xs_block(rng, avx512bw, grid_gather):
     src[3:11] = (0, 0, 255, 1, 255, 255, 0, 2)  # codes 0, 511, 65535, 512 in the first block at o = 1
     src[67:69] = (0xF0, 0x0F)  # scales 15 and 0 side by side
     for o, xo in [(1, 0), (100, 41)]:
-        assert _compiled("idot_iq2_xs_block")(quant_iq._IQ2XS_GRID64, src, o, x, xo) == _iq2_xs_want(src, o, x, xo)
+        assert _compiled("idot_iq2_xs_block")(quant_iq._IQ2XS_TABLES, src, o, x, xo) == _iq2_xs_want(src, o, x, xo)
 
 
 @pytest.mark.skipif(not simd.HAS_AVX512BW, reason="this CPU has no AVX-512BW")
-def test_fdot_iq2_xs_blocks(rng, grid_gather):
+def test_fdot_iq2_xs_blocks(rng, grid_read):
     """Whole IQ2_XS rows (three blocks; and the first alone): sum_b d_b / 8 * xd[b] * the block's integer sum."""
     from strata_async.kernels import quant, quant_iq  # noqa: F401
 
@@ -322,7 +323,7 @@ def test_fdot_iq2_xs_blocks(rng, grid_gather):
     terms = [d[b] / 8 * float(xd[b]) * _iq2_xs_want(src, 74 * b, x, 256 * b) for b in range(nb)]
     bound = float(np.abs(d * xd).sum()) / 8 * 31 * 43 * 127 * 256
     for blocks in (nb, 1):
-        got = _compiled("fdot_iq2_xs_blocks")(quant_iq._IQ2XS_GRID64, src, x, xd, blocks)
+        got = _compiled("fdot_iq2_xs_blocks")(quant_iq._IQ2XS_TABLES, src, x, xd, blocks)
         assert abs(got - sum(terms[:blocks])) <= 1e-6 * bound, blocks
 
 
@@ -339,7 +340,7 @@ def _iq2_xs_values(src, o):
 
 
 @pytest.mark.skipif(not simd.HAS_AVX512BW, reason="this CPU has no AVX-512BW")
-def test_iq2_xs_codes256(rng, grid_gather):
+def test_iq2_xs_codes256(rng, grid_read):
     """A block's tile codes are 43 plus its signed grid values, for every grid point and sign index."""
     from strata_async.kernels import quant, quant_iq, simd_gemm  # noqa: F401
 
@@ -351,12 +352,12 @@ def test_iq2_xs_codes256(rng, grid_gather):
     run = _compiled("iq2_xs_codes256", simd_gemm)
     for b in range(nb):
         o = 1 + 74 * b
-        run(quant_iq._IQ2XS_GRID64, src, o, dst, 7)
+        run(quant_iq._IQ2XS_TABLES, src, o, dst, 7)
         np.testing.assert_array_equal(dst[7:263].astype(np.int64), 43 + _iq2_xs_values(src, o))
         assert not dst[:7].any() and not dst[263:].any()
 
 
-def test_fdot_iq2_xs_row(rng, grid_gather):
+def test_fdot_iq2_xs_row(rng, grid_read):
     """The float dot of an IQ2_XS row: sum_b d_b / 8 * sum (2 s + 1) * value * x, against float64."""
     from strata_async.kernels import quant, quant_iq  # noqa: F401
 
@@ -373,7 +374,7 @@ def test_fdot_iq2_xs_row(rng, grid_gather):
         want += d / 8 * float(np.dot(scales * _iq2_xs_values(src, 74 * b), x[256 * b:256 * (b + 1)]))
     bound = sum(abs(float(src[74 * b:74 * b + 2].copy().view(np.float16)[0])) for b in range(nb)) / 8 * 31 * 43 * \
         float(np.abs(x).sum())
-    got = _compiled("fdot_iq2_xs_row")(quant_iq._IQ2XS_GRID64, src, x, nb)
+    got = _compiled("fdot_iq2_xs_row")(quant_iq._IQ2XS_TABLES, src, x, nb)
     assert abs(got - want) <= 1e-6 * bound
 
 
