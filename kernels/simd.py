@@ -64,7 +64,7 @@ def _cpu_vendor() -> str:
 
 # Intel cores stream rows best when the rows ~2 KiB ahead are asked into L1 (see quant_dispatch.prefetch_row).
 IS_INTEL = _cpu_vendor() == "GenuineIntel"
-HAS_VBMI = HAS_AVX512BW and bool(_host_features().get("avx512vbmi")) and bool(_host_features().get("avx512bitalg"))
+HAS_VBMI_BITALG = HAS_AVX512BW and all(_host_features().get(f) for f in ("avx512vbmi", "avx512bitalg"))
 # How the IQ2_XS grid points and signs of a block are read (_iq2_xs_block): "permute", the grid's level codes looked
 # up in registers and the signs taken into mask registers (_permuted_steps; AVX-512 VBMI and BITALG; on an AMD EPYC
 # (Zen 4) core, in cache, alternating, the integer dot 0.054 -> 0.048-0.049 ns per weight, the float dot 0.119 ->
@@ -72,7 +72,7 @@ HAS_VBMI = HAS_AVX512BW and bool(_host_features().get("avx512vbmi")) and bool(_h
 # eight points by one vpgatherqq (on an Intel Xeon, 2 vCPUs, in cache, alternating runs, the integer dot
 # 0.064-0.068 -> 0.053-0.057 ns per weight against a load each, the float dot 0.111-0.117 -> 0.098-0.101; not
 # measured there against "permute"); "loads", a load per point.
-GRID_READ = "gather" if IS_INTEL and HAS_AVX512BW else "permute" if HAS_VBMI else "loads"
+GRID_READ = "gather" if IS_INTEL and HAS_AVX512BW else "permute" if HAS_VBMI_BITALG else "loads"
 
 _I8 = ir.IntType(8)
 _I32 = ir.IntType(32)
