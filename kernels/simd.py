@@ -638,13 +638,15 @@ def _grid_points(context, builder, grid_ty, grid, src_ty, src, o, codes):
 _COLUMNS = [8 * (w % 4) + w // 4 for w in range(32)]
 
 
-def _permuted_steps(context, builder, grid_ty, grid, codes):
-    """The four steps' grid magnitudes (<64 x i8>) and negative lanes (<64 x i1>) of an IQ2_XS block from its
-    codes <32 x i16> (AVX-512 VBMI, BITALG): the 512 level codes (IQ2_XS_POINTS) are 16 registers; vpermi2w looks
-    the 32 groups up in each pair of 64 and three selects on index bits 6-8 pick the pair; per step vpmultishiftqb
-    puts value j's level in the low bits of byte j and vpshufb maps levels to magnitudes, while vpshufbitqmb
-    takes the sign bits straight into a mask register. About 60 instructions a block where a load and an insert
-    per point and sign bytes spread per step took ~110."""
+def _permuted_steps(context, builder, grid_ty, grid, codes, offset):
+    """The four steps' grid values (<64 x i8>) and negative lanes (<64 x i1>) of an IQ2_XS block from its codes
+    <32 x i16> (AVX-512 VBMI, BITALG): the 512 level codes (IQ2_XS_POINTS) are 16 registers; vpermi2w looks the 32
+    groups up in each pair of 64 and three selects on index bits 6-8 pick the pair; per step vpmultishiftqb puts
+    value j's level in the low bits of byte j and vpermb maps it to its magnitude (a 64-byte table: vpermb reads
+    six index bits, so no mask; vpshufb and a mask were 1.1x slower in the dot), while vpshufbitqmb takes the sign
+    bits straight into a mask register. offset (not None): the values come as offset + magnitude or, where
+    negative, offset - magnitude, by two table look-ups instead of a look-up, a negation and an add. About 60
+    instructions a block where a load and an insert per point and sign bytes spread per step took ~110."""
     i16 = ir.IntType(16)
     v32 = ir.VectorType(i16, 32)
     v64 = ir.VectorType(_I8, 64)
@@ -665,25 +667,30 @@ def _permuted_steps(context, builder, grid_ty, grid, codes):
     signs = builder.or_(builder.and_(cols, _vec_const(16, [0xFE00] * 32)),
                         builder.call(ctpop, [builder.lshr(cols, _vec_const(16, [9] * 32))]))
     signs = builder.bitcast(signs, v64)
-    magnitudes = _vec_const(8, [IQ2_XS_MAGNITUDES[j % 4] if j % 4 < 3 else 0 for j in range(64)])
+
+    def lookup(sign):  # the 64-byte table by an index's low two bits (level 3 does not occur)
+        return _vec_const(8, [((offset or 0) + sign * IQ2_XS_MAGNITUDES[j % 4]) % 256 if j % 4 < 3 else 0
+                              for j in range(64)])
     steps = []
     for s in range(4):
         fields = _x86(builder, "llvm.x86.avx512.pmultishift.qb.512", v64,
                       [_vec_const(8, [16 * s + 2 * (j % 8) for j in range(64)]), lv])
-        g8 = _x86(builder, "llvm.x86.avx512.pshuf.b.512", v64,
-                  [magnitudes, builder.and_(fields, _vec_const(8, [3] * 64))])
         neg = _x86(builder, "llvm.x86.avx512.vpshufbitqmb.512", ir.VectorType(ir.IntType(1), 64),
                    [signs, _vec_const(8, [16 * s + (9 + j % 8 if j % 8 < 7 else 0) for j in range(64)])])
+        g8 = _x86(builder, "llvm.x86.avx512.permvar.qi.512", v64, [lookup(1), fields])
+        if offset is not None:
+            g8 = builder.select(neg, _x86(builder, "llvm.x86.avx512.permvar.qi.512", v64, [lookup(-1), fields]), g8)
         steps.append((g8, neg))
     return steps
 
 
-def _iq2_xs_block(context, builder, grid_ty, grid, src_ty, src, o):
+def _iq2_xs_block(context, builder, grid_ty, grid, src_ty, src, o, offset=None):
     """The parts of the IQ2_XS block at src[o] (74 bytes: fp16 d, 32 uint16 group codes, 8 scale bytes) that its
     four 64-value steps take, computed once a block: the grid magnitudes, the signs and the 16 scales (per step
     they had cost a fifth of the integer dot). Returns step(s) -> (the grid magnitudes of values 64 s .. 64 s + 63
-    as <64 x i8>, their negative lanes as <64 x i1>, their four scales 2 s + 1 as <4 x i16>, the integer form of
-    ggml's (0.5 + s) / 4). A group's uint16 holds its grid point (low 9 bits) and sign index (high 7 bits)."""
+    as <64 x i8>, or with an offset (an int) offset + the signed values, their negative lanes as <64 x i1>, their
+    four scales 2 s + 1 as <4 x i16>, the integer form of ggml's (0.5 + s) / 4). A group's uint16 holds its grid
+    point (low 9 bits) and sign index (high 7 bits)."""
     i16 = ir.IntType(16)
     codes = _load_vec(context, builder, src_ty, src, _at(builder, o, 2), i16, 32)
     sb = builder.zext(_load(context, builder, src_ty, src, _at(builder, o, 66), 8), ir.VectorType(i16, 8))
@@ -691,11 +698,14 @@ def _iq2_xs_block(context, builder, grid_ty, grid, src_ty, src, o):
                         _vec_const(16, [15] * 16))
     odd = builder.add(builder.shl(nibs, _vec_const(16, [1] * 16)), _vec_const(16, [1] * 16))
     if GRID_READ == "permute":
-        steps = _permuted_steps(context, builder, grid_ty, grid, codes)
+        steps = _permuted_steps(context, builder, grid_ty, grid, codes, offset)
     else:
         points = _grid_points(context, builder, grid_ty, grid, src_ty, src, o, codes)
         signs = _sign_bytes(builder, codes, 32)
         steps = [(points[s], _sign_masks(builder, signs, 8 * s, 8)) for s in range(4)]
+        if offset is not None:
+            c = ir.Constant(ir.VectorType(_I8, 64), [offset] * 64)
+            steps = [(builder.select(neg, builder.sub(c, g8), builder.add(c, g8)), neg) for g8, neg in steps]
 
     def step(s):
         return steps[s][0], steps[s][1], _shuffle(builder, odd, [4 * s + k for k in range(4)])

@@ -309,12 +309,9 @@ def iq2_xs_codes256(typingctx, grid, src, o, dst, y):
 
     def codegen(context, builder, sig, args):
         grid_v, src_v, o_v, dst_v, y_v = args
-        block = _iq2_xs_block(context, builder, sig.args[0], grid_v, sig.args[1], src_v, o_v)
-        v64 = ir.VectorType(_I8, 64)
-        c43 = ir.Constant(v64, [43] * 64)
+        block = _iq2_xs_block(context, builder, sig.args[0], grid_v, sig.args[1], src_v, o_v, 43)
         for step in range(4):
-            g8, neg, _ = block(step)
-            codes = builder.select(neg, builder.sub(c43, g8), builder.add(c43, g8))
+            codes, _, _ = block(step)
             _store(context, builder, sig.args[3], dst_v, builder.add(y_v, ir.Constant(y_v.type, 64 * step)), codes)
         return context.get_dummy_value()
     return types.none(grid, src, o, dst, y), codegen
