@@ -67,7 +67,7 @@ IS_INTEL = _cpu_vendor() == "GenuineIntel"
 HAS_VBMI_BITALG = HAS_AVX512BW and all(_host_features().get(f) for f in ("avx512vbmi", "avx512bitalg"))
 # How the IQ2_XS grid points and signs of a block are read (_iq2_xs_block): "permute", the grid's level codes looked
 # up in registers and the signs taken into mask registers (_permuted_steps; AVX-512 VBMI and BITALG; on an AMD EPYC
-# (Zen 4) core, in cache, alternating, the integer dot 0.054 -> 0.048-0.049 ns per weight, the float dot 0.119 ->
+# (Zen 4) core, in cache, alternating, the integer dot 0.054 -> 0.043-0.050 ns per weight, the float dot 0.119 ->
 # 0.110-0.115 against a load each, of which the look-up's eight vpermi2w and selects are ~0.018); "gather",
 # eight points by one vpgatherqq (on an Intel Xeon, 2 vCPUs, in cache, alternating runs, the integer dot
 # 0.064-0.068 -> 0.053-0.057 ns per weight against a load each, the float dot 0.111-0.117 -> 0.098-0.101; not

@@ -54,7 +54,7 @@ def avx512bw(request, monkeypatch):
 @pytest.fixture(params=["gather", "permute", "loads"])
 def grid_read(request, monkeypatch):
     """Every way of reading IQ2_XS grid points: a vpgatherqq per eight (Intel cores), the level codes permuted in
-    registers (AVX-512 VBMI) and a load per point."""
+    registers (AVX-512 VBMI and BITALG) and a load per point."""
     if request.param == "gather" and not _HAS_AVX512 or request.param == "permute" and not simd.HAS_VBMI_BITALG:
         pytest.skip(f"this CPU cannot read grid points by {request.param}")
     monkeypatch.setattr(simd, "GRID_READ", request.param)
