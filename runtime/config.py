@@ -114,3 +114,5 @@ class LoadOptions:
     ple_cache_rows: int = 4096  # PLE rows kept in RAM after use (LRU); prefetched rows wait there too
     prefault: bool = True  # fault every weight page the model computes from into the mapping at load
     progress: Callable[[int, int], None] | None = None  # progress(done, total bytes) while prefaulting
+    # keep the working buffers that steps free mapped for the next step (glibc's malloc: runtime/host_memory.py)
+    keep_freed_buffers: bool = True

@@ -12,6 +12,7 @@ from strata_async.io import GGUFFile, open_gguf, prefault
 from .archs import ArchModel, model_class
 from .config import LoadOptions, ModelConfig
 from .device import Device, HostDevice
+from .host_memory import keep_freed_buffers
 from .state import SequenceState
 from .weights import WeightStore
 
@@ -119,6 +120,8 @@ def load_runtime(path: str | os.PathLike[str], *, threads: int | None = None, qu
             raise ValueError(f"{gguf.path}: GGUF metadata has no general.architecture; not a model file")
         device = HostDevice(threads=threads, quantized_activations=quantized_activations)
         options = options or LoadOptions()
+        if options.keep_freed_buffers:
+            keep_freed_buffers()
         store = WeightStore(gguf)
         model = model_class(arch)(store, device, options)
         if options.prefault:
