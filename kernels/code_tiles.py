@@ -136,7 +136,7 @@ def chunk_values(k):
     return 256 if k % 256 == 0 else 64
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def _zero_rows(n, ch, stage):
     """Staged rows n .. 15 of a chunk (past the matrix's end): zero codes, once a tile (the codes functions never
     write them); a call of its own, kept out of the decode loops (_tile_decoder)."""
