@@ -107,8 +107,15 @@ def dequant_rows_serial(t, w, out):
 # into L1 (simd.prefetch): the head matrix alone from RAM on 2 threads 23.6-24.1 -> 25.0-28.3 GB/s, a 100000 x 2048
 # Q4_K matrix 20.1 -> 25.7 GB/s, where both requests together read 21.6-21.7 (Q6_K) and 4 KiB ahead into L1
 # 19.2-21.6 (alternating processes). (An earlier Xeon, reading 12-13 GB/s at best, had gained from the L2 requests
-# over none: 9.7 -> 12-13 GB/s; L1 requests 2 KiB ahead were not tried there.)
+# over none: 9.7 -> 12-13 GB/s; L1 requests 2 KiB ahead were not tried there.) A row longer than a page is not
+# requested on AMD: the hardware prefetchers stream a run of whole pages by themselves, and the row's 68+ requests at
+# once (Q8_0, 4096 values) hold up the loads. Zen 4 (2 vCPUs), 2 threads, the matrices in a file mapping (16 copies
+# cycled; the head alone), the two loops alternating call by call, median time ratio requests / none over 15 pairs
+# (240 for the head): Q8_0 4096 x 4096 1.31, Q6_K 4096 x 4096 1.22, Q4_K 4096 x 4096 1.04, Q8_0 1024 x 8192 1.64,
+# Q4_K 1024 x 8192 1.40; rows of 2048 values went either way (Q8_0 12288 x 2048 1.19, Q4_K 0.95, the Q6_K head 0.82
+# and 1.02 in two runs, the Q8_0 head 1.02), so they keep their requests.
 PREFETCH_BYTES = 32768
+PREFETCH_MAX_ROW_BYTES = 4096
 L1_PREFETCH_BYTES = 2048
 ROWS_INTO_L1 = IS_INTEL
 # Rows per task of the expert pools and the fused MoE block (float_dots / int_dots take a task's rows in one call),
@@ -119,12 +126,12 @@ ROW_TASK = 16
 @numba.njit(inline="always", nogil=True)
 def prefetch_row(w, r):
     """Request a row ahead of row r of w (uint8 [rows, row bytes]), if there is one: the row L1_PREFETCH_BYTES on
-    into L1 on Intel cores, the row PREFETCH_BYTES on into L2 elsewhere."""
+    into L1 on Intel cores, the row PREFETCH_BYTES on into L2 elsewhere where a row fits a page."""
     if ROWS_INTO_L1:
         ahead = r + max(1, L1_PREFETCH_BYTES // w.shape[1])
         if ahead < w.shape[0]:
             prefetch(w[ahead], 0, w.shape[1])
-    else:
+    elif w.shape[1] <= PREFETCH_MAX_ROW_BYTES:
         ahead = r + max(1, PREFETCH_BYTES // w.shape[1])
         if ahead < w.shape[0]:
             prefetch_l2(w[ahead], 0, w.shape[1])
