@@ -112,8 +112,8 @@ def dequant_rows_serial(t, w, out):
 # once (Q8_0, 4096 values) hold up the loads. Zen 4 (2 vCPUs), 2 threads, the matrices in a file mapping (16 copies
 # cycled; the head alone), the two loops alternating call by call, median time ratio requests / none over 15 pairs
 # (240 for the head): Q8_0 4096 x 4096 1.31, Q6_K 4096 x 4096 1.22, Q4_K 4096 x 4096 1.04, Q8_0 1024 x 8192 1.64,
-# Q4_K 1024 x 8192 1.40; rows of 2048 values went either way (Q8_0 12288 x 2048 1.19, Q4_K 0.95, the Q6_K head 0.82
-# and 1.02 in two runs, the Q8_0 head 1.02), so they keep their requests.
+# Q4_K 1024 x 8192 1.40, F32 512 x 2048 (the router) 1.18; quantized rows of 2048 values went either way (Q8_0
+# 12288 x 2048 1.19, Q4_K 0.95, the Q6_K head 0.82 and 1.02 in two runs, the Q8_0 head 1.02): they keep theirs.
 PREFETCH_BYTES = 32768
 PREFETCH_MAX_ROW_BYTES = 4096
 L1_PREFETCH_BYTES = 2048
