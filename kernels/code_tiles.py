@@ -28,9 +28,9 @@ from .quant_k import Q2_K, Q4_K, Q6_K
 from .quant_legacy import Q2_0
 from .quant_q8 import Q8_0
 from .simd import prefetch_l2
-from .simd_gemm import (ROWS, crumb_codes64, interleave16, iq2_xs_codes256, iq2_xs_tile_scales, q2_0_tile_scales,
-                        q2_k_tile_scales, q4_k_tile_scales, q6_codes32, q6_k_tile_scales, q8_0_tile64,
-                        q8_0_tile_scales, unpack_codes32)
+from .simd_gemm import (ROWS, crumb_codes64, interleave16, iq2_xs_codes256, iq2_xs_codes256_pair,
+                        iq2_xs_tile_scales, q2_0_tile_scales, q2_k_tile_scales, q4_k_tile_scales, q6_codes32,
+                        q6_k_tile_scales, q8_0_tile64, q8_0_tile_scales, unpack_codes32)
 
 # Types with a code tile, and their sub-block length (values per scale and bias).
 SUB_BLOCK = {Q8_0: 32, Q4_K: 32, Q2_0: 32, Q6_K: 16, Q2_K: 16, IQ2_XS: 16}
@@ -114,6 +114,13 @@ def _codes_iq2_xs(src, v0, dst):
 
 
 @numba.njit(inline="always", nogil=True)
+def _pair_codes_iq2_xs(src_a, src_b, v0, dst_a, dst_b):
+    """_codes_iq2_xs of two rows at once, one grid look-up for both blocks (simd._level_words)."""
+    o = 74 * (v0 // 256)
+    iq2_xs_codes256_pair(_IQ2XS_TABLES, src_a, o, dst_a, src_b, o, dst_b)
+
+
+@numba.njit(inline="always", nogil=True)
 def _scales_iq2_xs(src, stride, r0, n, v0, ch, scale, bias):
     iq2_xs_tile_scales(src, r0 * stride + 74 * (v0 // 256), stride, n, scale, bias, ROWS * (v0 // 16))
 
@@ -173,7 +180,25 @@ def _prefetch_ahead(w, r0, nxt, n0, c, n_chunks):
         _prefetch_rows(nxt, n0, (ahead - n_chunks) * cb, cb)
 
 
-def _tile_decoder(codes, scales, block_values=0):
+def _row_codes(codes, pair_codes):
+    """The codes of rows r0 .. r0 + n - 1 of a chunk into stage: codes a row at a time, or with pair_codes two."""
+    if pair_codes is None:
+        @numba.njit(inline="always", nogil=True)
+        def rows(w, r0, n, v0, ch, stage):
+            for i in range(n):
+                codes(w[r0 + i], v0, stage[i * ch:(i + 1) * ch])
+        return rows
+
+    @numba.njit(inline="always", nogil=True)
+    def row_pairs(w, r0, n, v0, ch, stage):
+        for i in range(0, n - 1, 2):
+            pair_codes(w[r0 + i], w[r0 + i + 1], v0, stage[i * ch:(i + 1) * ch], stage[(i + 1) * ch:(i + 2) * ch])
+        if n % 2:
+            codes(w[r0 + n - 1], v0, stage[(n - 1) * ch:n * ch])
+    return row_pairs
+
+
+def _tile_decoder(codes, scales, block_values=0, pair_codes=None):
     """The chunk loop of decode_tile for one type's codes and scales functions: one loop nest per type, since a
     branch on the type inside it (six decoders inlined in one loop) made the decode ~3x slower. block_values:
     the type's block length where it is 256 (every row length a multiple: the chunk is a compile-time constant,
@@ -184,6 +209,8 @@ def _tile_decoder(codes, scales, block_values=0):
     zeroing inlined, ran every whole tile slower (same measure: IQ2_XS 0.077-0.081 -> 0.065-0.067, Q2_0
     0.068-0.072 -> 0.057-0.059, Q6_K 0.055-0.058 -> 0.051-0.053; Q8_0, Q4_K, Q2_K within 3%)."""
 
+    row_codes = _row_codes(codes, pair_codes)
+
     @numba.njit(inline="always", nogil=True)
     def chunks(w, r0, n, words, scale, bias, stage, nxt, n0):
         k = words.shape[0] // ROWS
@@ -193,8 +220,7 @@ def _tile_decoder(codes, scales, block_values=0):
         for c in range(n_chunks):
             v0 = c * ch
             _prefetch_ahead(w, r0, nxt, n0, c, n_chunks)
-            for i in range(n):
-                codes(w[r0 + i], v0, stage[i * ch:(i + 1) * ch])
+            row_codes(w, r0, n, v0, ch, stage)
             scales(src, stride, r0, n, v0, ch, scale, bias)
             interleave16(stage, ch, words, 4 * v0)
 
@@ -210,11 +236,12 @@ def _tile_decoder(codes, scales, block_values=0):
     return decode
 
 
-_tile_q8_0, _tile_q4_k, _tile_q6_k, _tile_q2_k, _tile_iq2_xs, _tile_q2_0 = (
+_tile_q8_0, _tile_q4_k, _tile_q6_k, _tile_q2_k, _tile_q2_0 = (
     _tile_decoder(codes, scales, block_values)
     for codes, scales, block_values in (
         (_codes_q8_0, _scales_q8_0, 0), (_codes_q4_k, _scales_q4_k, 256), (_codes_q6_k, _scales_q6_k, 256),
-        (_codes_q2_k, _scales_q2_k, 256), (_codes_iq2_xs, _scales_iq2_xs, 256), (_codes_q2_0, _scales_q2_0, 0)))
+        (_codes_q2_k, _scales_q2_k, 256), (_codes_q2_0, _scales_q2_0, 0)))
+_tile_iq2_xs = _tile_decoder(_codes_iq2_xs, _scales_iq2_xs, 256, _pair_codes_iq2_xs)
 
 
 @numba.njit(inline="always", nogil=True)

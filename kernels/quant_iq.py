@@ -14,8 +14,8 @@ from gguf import quants as gguf_quants
 
 from .ggml_blocks import f16, half_to_float, u16, u32
 from .quant import register_type
-from .simd import (HAS_AVX512BW, HAS_F16C, IQ2_XS_MAGNITUDES, IQ2_XS_POINTS, dequant_iq2_xs_block, fdot_iq2_xs_blocks,
-                   fdot_iq2_xs_row, idot_iq2_xs_block)
+from .simd import (HAS_AVX512BW, HAS_F16C, IQ2_XS_MAGNITUDES, IQ2_XS_POINTS, dequant_iq2_xs_block,
+                   fdot_iq2_xs_blocks, fdot_iq2_xs_row, idot_iq2_xs_block)
 
 IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M = 16, 17, 18, 19, 21, 22, 29
 _QK = 256
@@ -48,12 +48,14 @@ assert _KSIGNS.shape == (128,)
 # (vectorizable) instead of a select per value.
 _SIGN8 = np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, -1.0, 1.0).astype(np.float32)
 # The IQ2_XS grid as the vector code takes it (simd.IQ2_XS_POINTS): the points as 8 byte magnitudes in a uint64,
-# then as 2-bit level codes, value j's at bits 2 j of a uint16 (the signs are computed from the code bits).
+# then as 2-bit level codes, value j's at bits 2 j of a uint16, stored as two byte planes (low bytes, then high
+# bytes; the signs are computed from the code bits).
 _IQ2XS_LEVELS = np.searchsorted(np.array(IQ2_XS_MAGNITUDES, np.float32), _IQ2XS_GRID).astype(np.uint16)
 assert np.array_equal(np.array(IQ2_XS_MAGNITUDES, np.float32)[_IQ2XS_LEVELS], _IQ2XS_GRID)
+_IQ2XS_WORDS = (_IQ2XS_LEVELS << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1, dtype=np.uint16)
 _IQ2XS_TABLES = np.concatenate([
     np.ascontiguousarray(_IQ2XS_GRID.astype(np.uint8)).view(np.uint64).reshape(-1),
-    (_IQ2XS_LEVELS << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1, dtype=np.uint16).view(np.uint64)])
+    np.concatenate([_IQ2XS_WORDS & 0xFF, _IQ2XS_WORDS >> 8]).astype(np.uint8).view(np.uint64)])
 assert _IQ2XS_TABLES.shape == (IQ2_XS_POINTS + 128,)
 
 

@@ -23,7 +23,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import (_FL, _I8, _I32, _I64, HAS_VNNI, _array_1d, _byte_array, _data, _dpbusd, _iq2_xs_block,
+from .simd import (_FL, _I8, _I32, _I64, HAS_VNNI, _array_1d, _byte_array, _data, _dpbusd, _iq2_xs_blocks,
                    _load, _splat, _splat_f, _store)
 
 
@@ -303,18 +303,42 @@ def crumb_codes64(typingctx, src, o, dst, y):
 @intrinsic
 def iq2_xs_codes256(typingctx, grid, src, o, dst, y):
     """dst[y:y + 256] = the codes 43 +- grid value of the IQ2_XS block at src[o] (grid: quant_iq's
-    grid tables, simd.IQ2_XS_POINTS): the points and signs as the decode dot takes them (simd._iq2_xs_block)."""
+    grid tables, simd.IQ2_XS_POINTS): the points and signs as the decode dot takes them (simd._iq2_xs_blocks)."""
     if not (_array_1d(grid, types.uint64) and _byte_array(src) and _byte_array(dst)):
         return None
 
     def codegen(context, builder, sig, args):
         grid_v, src_v, o_v, dst_v, y_v = args
-        block = _iq2_xs_block(context, builder, sig.args[0], grid_v, sig.args[1], src_v, o_v, 43)
-        for step in range(4):
-            codes, _, _ = block(step)
-            _store(context, builder, sig.args[3], dst_v, builder.add(y_v, ir.Constant(y_v.type, 64 * step)), codes)
+        _store_iq2_xs_codes(context, builder, sig.args[0], grid_v, [(sig.args[1], src_v, o_v, sig.args[3], dst_v,
+                                                                     y_v)])
         return context.get_dummy_value()
     return types.none(grid, src, o, dst, y), codegen
+
+
+@intrinsic
+def iq2_xs_codes256_pair(typingctx, grid, src_a, oa, dst_a, src_b, ob, dst_b):
+    """iq2_xs_codes256 of the blocks at src_a[oa] and src_b[ob] into dst_a[:256] and dst_b[:256], with one grid
+    look-up for both (simd._level_words)."""
+    if not (_array_1d(grid, types.uint64) and all(_byte_array(a) for a in (src_a, dst_a, src_b, dst_b))):
+        return None
+
+    def codegen(context, builder, sig, args):
+        zero = ir.Constant(args[2].type, 0)
+        _store_iq2_xs_codes(context, builder, sig.args[0], args[0], [
+            (sig.args[1], args[1], args[2], sig.args[3], args[3], zero),
+            (sig.args[4], args[4], args[5], sig.args[6], args[6], zero)])
+        return context.get_dummy_value()
+    return types.none(grid, src_a, oa, dst_a, src_b, ob, dst_b), codegen
+
+
+def _store_iq2_xs_codes(context, builder, grid_ty, grid, blocks):
+    """The codes 43 +- grid value of one or two IQ2_XS blocks, each given as (src type, src, o, dst type, dst, y):
+    the block at src[o] into dst[y:y + 256]. Two blocks share one grid look-up."""
+    steps = _iq2_xs_blocks(context, builder, grid_ty, grid, [b[:3] for b in blocks], 43)
+    for block, (_, _, _, dst_ty, dst_v, y_v) in zip(steps, blocks):
+        for step in range(4):
+            _store(context, builder, dst_ty, dst_v, builder.add(y_v, ir.Constant(y_v.type, 64 * step)),
+                   block(step)[0])
 
 
 def _tile_rows(builder, o, stride, n):

@@ -311,10 +311,11 @@ def test_idot_iq2_xs_block(rng, avx512bw, grid_read):
 
 @pytest.mark.skipif(not simd.HAS_AVX512BW, reason="this CPU has no AVX-512BW")
 def test_fdot_iq2_xs_blocks(rng, grid_read):
-    """Whole IQ2_XS rows (three blocks; and the first alone): sum_b d_b / 8 * xd[b] * the block's integer sum."""
+    """Whole IQ2_XS rows (two blocks a step and an odd last one: 5, 4, 1 blocks): sum_b d_b / 8 * xd[b] * the
+    block's integer sum."""
     from strata_async.kernels import quant, quant_iq  # noqa: F401
 
-    nb = 3
+    nb = 5
     src, x = _bytes(rng, 74 * nb), np.maximum(_bytes(rng, 256 * nb).view(np.int8), -127)
     for b in range(nb):
         src[74 * b:74 * b + 2] = _random_halves(rng, 1)
@@ -322,7 +323,7 @@ def test_fdot_iq2_xs_blocks(rng, grid_read):
     d = src.reshape(nb, 74)[:, :2].copy().view(np.float16).astype(np.float64).reshape(-1)
     terms = [d[b] / 8 * float(xd[b]) * _iq2_xs_want(src, 74 * b, x, 256 * b) for b in range(nb)]
     bound = float(np.abs(d * xd).sum()) / 8 * 31 * 43 * 127 * 256
-    for blocks in (nb, 1):
+    for blocks in (nb, 4, 1):
         got = _compiled("fdot_iq2_xs_blocks")(quant_iq._IQ2XS_TABLES, src, x, xd, blocks)
         assert abs(got - sum(terms[:blocks])) <= 1e-6 * bound, blocks
 
@@ -355,6 +356,20 @@ def test_iq2_xs_codes256(rng, grid_read):
         run(quant_iq._IQ2XS_TABLES, src, o, dst, 7)
         np.testing.assert_array_equal(dst[7:263].astype(np.int64), 43 + _iq2_xs_values(src, o))
         assert not dst[:7].any() and not dst[263:].any()
+
+
+@pytest.mark.skipif(not simd.HAS_AVX512BW, reason="this CPU has no AVX-512BW")
+def test_iq2_xs_codes256_pair(rng, grid_read):
+    """Two blocks of two arrays decoded at once (one grid look-up) give each block's own codes."""
+    from strata_async.kernels import quant, quant_iq, simd_gemm  # noqa: F401
+
+    a, b = _bytes(rng, 74 * 5 + 3), _bytes(rng, 74 * 4)
+    dst_a, dst_b = np.zeros(256, np.uint8), np.zeros(256, np.uint8)
+    run = _compiled("iq2_xs_codes256_pair", simd_gemm)
+    for oa, ob in [(3, 0), (3 + 74 * 4, 74 * 3), (77, 74)]:
+        run(quant_iq._IQ2XS_TABLES, a, oa, dst_a, b, ob, dst_b)
+        np.testing.assert_array_equal(dst_a.astype(np.int64), 43 + _iq2_xs_values(a, oa))
+        np.testing.assert_array_equal(dst_b.astype(np.int64), 43 + _iq2_xs_values(b, ob))
 
 
 def test_fdot_iq2_xs_row(rng, grid_read):
