@@ -506,6 +506,32 @@ def fdot_q4_k_row(typingctx, src, x, xsum32, blocks):
     return types.float32(src, x, xsum32, blocks), codegen
 
 
+def _q4_k_packed_dots(context, builder, src_ty, src, o, xq_ty, xq, y, sc16):
+    """sum_j sc_j (q_j . x_j) of the Q4_K block at src[o] spread over <16 x i32> (GFNI and VNNI): each 64 codes'
+    dot in 4-value sums by vpdpbusd (lanes 0-7 sub-block 2 gi, 8-15 sub-block 2 gi + 1; |sum| <= 4 * 15 * 128
+    fits int16), two such vectors packed to words by vpackssdw and scaled by one vpdpwssd. The scale words are
+    made twice a block instead of four times, and two of the four word multiplies go: on a Zen 4 core the row
+    dot went 0.032 -> 0.030 ns a weight from the cache (vpmaddubsw and a scaled vpmaddwd per 64 codes before)."""
+    v16, w32 = ir.VectorType(_I32, 16), ir.VectorType(ir.IntType(16), 32)
+    dots = []
+    for gi in range(4):  # the 32 code bytes twice, low nibbles from the lower 4 quadwords, high from the upper 4
+        q = _load(context, builder, src_ty, src, _at(builder, o, 16 + 32 * gi), 32)
+        codes = _nibbles64(builder, builder.shuffle_vector(q, q, _vec_const(32, list(range(32)) * 2)))
+        x = _load(context, builder, xq_ty, xq, _at(builder, y, 64 * gi), 64)
+        dots.append(_dpbusd(builder, ir.Constant(v16, [0] * 16), builder.bitcast(codes, v16),
+                            builder.bitcast(x, v16), True))
+    total = ir.Constant(v16, [0] * 16)
+    for pair in range(2):
+        # vpackssdw packs per 128-bit lane L: words 8 L .. 8 L + 3 from the first vector's lanes 4 L .. 4 L + 3,
+        # words 8 L + 4 .. 8 L + 7 from the second's; lane i of group gi is sub-block 2 gi + i // 8
+        words = _x86(builder, "llvm.x86.avx512.packssdw.512", w32, [dots[2 * pair], dots[2 * pair + 1]])
+        scales = _shuffle(builder, sc16, [2 * (2 * pair + w % 8 // 4) + (4 * (w // 8) + w % 4) // 8
+                                          for w in range(32)])
+        total = _x86(builder, "llvm.x86.avx512.vpdpwssd.512", v16,
+                     [total, builder.bitcast(words, v16), builder.bitcast(scales, v16)])
+    return total
+
+
 def _q4_k_lanes(context, builder, src_ty, src, o, xq_ty, xq, y, xs_ty, xs, g):
     """The lanes of a Q4_K block (144 bytes at src[o]) times 256 Q8_K codes xq[y:] with their 16-sums at xs[g:],
     before any reduction: (sum_j sc_j (q_j . x_j) spread over <16 x i32> (<32 x i32> without AVX-512BW),
@@ -514,7 +540,9 @@ def _q4_k_lanes(context, builder, src_ty, src, o, xq_ty, xq, y, xs_ty, xs, g):
     sc, mn = _q4_k_scales_mins(context, builder, src_ty, src, o)
     sc16 = builder.zext(sc, ir.VectorType(ir.IntType(16), 8))
     total = None
-    for gi in range(4):
+    if HAS_GFNI and HAS_VNNI:
+        total = _q4_k_packed_dots(context, builder, src_ty, src, o, xq_ty, xq, y, sc16)
+    for gi in range(4 if total is None else 0):
         q = _load(context, builder, src_ty, src, _at(builder, o, 16 + 32 * gi), 32)
         if HAS_GFNI:  # the 32 bytes twice, low nibbles from the lower 4 quadwords, high from the upper 4
             x = _load(context, builder, xq_ty, xq, _at(builder, y, 64 * gi), 64)
