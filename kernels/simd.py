@@ -506,6 +506,13 @@ def fdot_q4_k_row(typingctx, src, x, xsum32, blocks):
     return types.float32(src, x, xsum32, blocks), codegen
 
 
+def _q4_k_codes64(context, builder, src_ty, src, o, gi):
+    """The 64 codes of sub-blocks 2 gi and 2 gi + 1 of the Q4_K block at src[o] as <64 x u8> (GFNI): their 32
+    bytes twice, low nibbles from the lower 4 quadwords, high from the upper 4."""
+    q = _load(context, builder, src_ty, src, _at(builder, o, 16 + 32 * gi), 32)
+    return _nibbles64(builder, builder.shuffle_vector(q, q, _vec_const(32, list(range(32)) * 2)))
+
+
 def _q4_k_packed_dots(context, builder, src_ty, src, o, xq_ty, xq, y, sc16):
     """sum_j sc_j (q_j . x_j) of the Q4_K block at src[o] spread over <16 x i32> (GFNI and VNNI): each 64 codes'
     dot in 4-value sums by vpdpbusd (lanes 0-7 sub-block 2 gi, 8-15 sub-block 2 gi + 1; |sum| <= 4 * 15 * 128
@@ -514,9 +521,8 @@ def _q4_k_packed_dots(context, builder, src_ty, src, o, xq_ty, xq, y, sc16):
     dot went 0.032 -> 0.030 ns a weight from the cache (vpmaddubsw and a scaled vpmaddwd per 64 codes before)."""
     v16, w32 = ir.VectorType(_I32, 16), ir.VectorType(ir.IntType(16), 32)
     dots = []
-    for gi in range(4):  # the 32 code bytes twice, low nibbles from the lower 4 quadwords, high from the upper 4
-        q = _load(context, builder, src_ty, src, _at(builder, o, 16 + 32 * gi), 32)
-        codes = _nibbles64(builder, builder.shuffle_vector(q, q, _vec_const(32, list(range(32)) * 2)))
+    for gi in range(4):
+        codes = _q4_k_codes64(context, builder, src_ty, src, o, gi)
         x = _load(context, builder, xq_ty, xq, _at(builder, y, 64 * gi), 64)
         dots.append(_dpbusd(builder, ir.Constant(v16, [0] * 16), builder.bitcast(codes, v16),
                             builder.bitcast(x, v16), True))
@@ -532,24 +538,18 @@ def _q4_k_packed_dots(context, builder, src_ty, src, o, xq_ty, xq, y, sc16):
     return total
 
 
-def _q4_k_lanes(context, builder, src_ty, src, o, xq_ty, xq, y, xs_ty, xs, g):
-    """The lanes of a Q4_K block (144 bytes at src[o]) times 256 Q8_K codes xq[y:] with their 16-sums at xs[g:],
-    before any reduction: (sum_j sc_j (q_j . x_j) spread over <16 x i32> (<32 x i32> without AVX-512BW),
-    m_j times each of sub-block j's two 16-sums as <16 x i32> (without AVX-512BW m_j times their sum, <8 x i32>)).
-    The eight 6-bit scales and mins come from their 12 bytes by _q4_k_scales_mins."""
-    sc, mn = _q4_k_scales_mins(context, builder, src_ty, src, o)
-    sc16 = builder.zext(sc, ir.VectorType(ir.IntType(16), 8))
+def _q4_k_scaled_dots(context, builder, src_ty, src, o, xq_ty, xq, y, sc16):
+    """_q4_k_packed_dots without VNNI: per 64 codes (32 without AVX-512BW) vpmaddubsw and a vpmaddwd by the scale
+    words, as <16 x i32> (<32 x i32> without AVX-512BW)."""
     total = None
-    if HAS_GFNI and HAS_VNNI:
-        total = _q4_k_packed_dots(context, builder, src_ty, src, o, xq_ty, xq, y, sc16)
-    for gi in range(4 if total is None else 0):
-        q = _load(context, builder, src_ty, src, _at(builder, o, 16 + 32 * gi), 32)
-        if HAS_GFNI:  # the 32 bytes twice, low nibbles from the lower 4 quadwords, high from the upper 4
+    for gi in range(4):
+        if HAS_GFNI:
             x = _load(context, builder, xq_ty, xq, _at(builder, y, 64 * gi), 64)
-            codes = _nibbles64(builder, builder.shuffle_vector(q, q, _vec_const(32, list(range(32)) * 2)))
+            codes = _q4_k_codes64(context, builder, src_ty, src, o, gi)
             part = _madd_scaled(builder, codes, x, _shuffle(builder, sc16, [2 * gi + k // 16 for k in range(32)]))
             total = part if total is None else builder.add(total, part)
             continue
+        q = _load(context, builder, src_ty, src, _at(builder, o, 16 + 32 * gi), 32)
         low, high = builder.and_(q, _vec_const(8, [15] * 32)), builder.lshr(q, _vec_const(8, [4] * 32))
         if HAS_AVX512BW:  # sub-blocks 2 gi and 2 gi + 1 (64 contiguous activations) in one zmm
             x = _load(context, builder, xq_ty, xq, _at(builder, y, 64 * gi), 64)
@@ -562,6 +562,19 @@ def _q4_k_lanes(context, builder, src_ty, src, o, xq_ty, xq, y, xs_ty, xs, g):
             x = _load(context, builder, xq_ty, xq, _at(builder, y, 32 * j), 32)
             part = _scaled_products(builder, codes, scale, x)
             total = part if total is None else builder.add(total, part)
+    return total
+
+
+def _q4_k_lanes(context, builder, src_ty, src, o, xq_ty, xq, y, xs_ty, xs, g):
+    """The lanes of a Q4_K block (144 bytes at src[o]) times 256 Q8_K codes xq[y:] with their 16-sums at xs[g:],
+    before any reduction: (sum_j sc_j (q_j . x_j) spread over <16 x i32> (<32 x i32> without AVX-512BW),
+    m_j times each of sub-block j's two 16-sums as <16 x i32> (without AVX-512BW m_j times their sum, <8 x i32>)).
+    The eight 6-bit scales and mins come from their 12 bytes by _q4_k_scales_mins, the scaled dots from
+    _q4_k_packed_dots (GFNI and VNNI) or _q4_k_scaled_dots."""
+    sc, mn = _q4_k_scales_mins(context, builder, src_ty, src, o)
+    sc16 = builder.zext(sc, ir.VectorType(ir.IntType(16), 8))
+    dots = _q4_k_packed_dots if HAS_GFNI and HAS_VNNI else _q4_k_scaled_dots
+    total = dots(context, builder, src_ty, src, o, xq_ty, xq, y, sc16)
     sums16 = _load_vec(context, builder, xs_ty, xs, g, _I32, 16)
     if HAS_AVX512BW:  # each 16-sum times its sub-block's min by one vpmaddwd: the sums' int32 lanes read as int16
         # pairs (|sum| <= 16 * 128, so the low half is the value), the mins as (m, 0) pairs
