@@ -23,6 +23,20 @@ def u32(src, off):
 
 
 @numba.njit(inline="always", nogil=True)
+def scale_min_k4(src, off, j):
+    """Sub-block j's 6-bit (scale, min) from the 12 packed bytes at `off` (Q4_K, Q5_K).
+
+    Bytes 0-3 hold scales 0-3 in their low 6 bits, bytes 4-7 mins 0-3; scales/mins 4-7 take their low
+    nibble from bytes 8-11 and their top 2 bits from the spare high bits of bytes 0-3 / 4-7.
+    """
+    if j < 4:
+        return np.int32(src[off + j] & 63), np.int32(src[off + j + 4] & 63)
+    sc = (src[off + j + 4] & 0xF) | ((src[off + j - 4] >> 6) << 4)
+    m = (src[off + j + 4] >> 4) | ((src[off + j] >> 6) << 4)
+    return np.int32(sc), np.int32(m)
+
+
+@numba.njit(inline="always", nogil=True)
 def half_to_float(h):
     """IEEE half (given as its 16 bits) to float32, exactly: (1024 + mantissa) * 2^(exp - 25), each
     factor and product exact in float32, and no temporary array (this runs once per block)."""

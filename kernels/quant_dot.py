@@ -13,7 +13,7 @@ and tests compare these dots with float64 dot products of their output.
 import numba
 import numpy as np
 
-from .simd import fdot_q4_k_row, fdot_q6_k_row, fdot_q8_0_row
+from .simd import fdot_q4_k_row, fdot_q5_k_row, fdot_q6_k_row, fdot_q8_0_row
 
 _FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 
@@ -38,6 +38,12 @@ def dot_q8_0(src, x, xsum32):
 def dot_q4_k(src, x, xsum32):
     """One Q4_K row: per 32-weight sub-block, d*sc * sum(q x) - dmin*m * sum(x)."""
     return fdot_q4_k_row(src, x, xsum32, x.shape[0] // 256)
+
+
+@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def dot_q5_k(src, x, xsum32):
+    """One Q5_K row: Q4_K's with a fifth code bit."""
+    return fdot_q5_k_row(src, x, xsum32, x.shape[0] // 256)
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)

@@ -14,10 +14,10 @@ float32 rounding (tests compare with float64), so this is the fast path of ``qua
 import numba
 import numpy as np
 
-from .ggml_blocks import f16, round_to_half
-from .simd import (HAS_AVX512BW, HAS_F16C, HAS_VNNI, fdot_q2_0_blocks, fdot_q2_k_blocks, fdot_q4_k_blocks,
-                   fdot_q6_k_blocks, fdot_q8_0_octets, fdot_q8_0_pairs, idot_q2_0_block, idot_q2_k_block,
-                   idot_q4_k_block, idot_q6_half, idot_s8_32)
+from .ggml_blocks import f16, round_to_half, scale_min_k4
+from .simd import (HAS_AVX512BW, HAS_F16C, HAS_GFNI, HAS_VNNI, fdot_q2_0_blocks, fdot_q2_k_blocks, fdot_q4_k_blocks,
+                   fdot_q5_k_blocks, fdot_q6_k_blocks, fdot_q8_0_octets, fdot_q8_0_pairs, idot_q2_0_block,
+                   idot_q2_k_block, idot_q4_k_block, idot_q6_half, idot_s8_32)
 
 _FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 
@@ -144,6 +144,37 @@ def idot_q4_k(src, xq, xd, xs16):
         o = b * 144
         acc += xd[b] * idot_q4_k_block(src, o, xq, 256 * b, xs16, 16 * b, f16(src, o), f16(src, o + 2))
     return acc
+
+
+@numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)
+def idot_q5_k_loop(src, xq, xd, xs16):
+    """idot_q5_k without GFNI: each sub-block's 5-bit codes (nibble, plus 16 times bit j of qh byte l % 32 for
+    sub-block j) times its 32 activation codes in integers, then d * sum_j sc_j (q_j . x_j) - dmin * sum_j m_j
+    sum(x_j) per 256, as ggml's vec_dot_q5_K_q8_K."""
+    acc = np.float32(0.0)
+    for b in range(xq.shape[0] // 256):
+        o = b * 176
+        isc = 0
+        imin = 0
+        for j in range(8):
+            sc, m = scale_min_k4(src, o + 4, j)
+            q0, y = o + 48 + 32 * (j // 2), 256 * b + 32 * j
+            s = 0
+            for i in range(32):
+                code = ((np.int32(src[q0 + i]) >> (4 * (j % 2))) & 15) | (((np.int32(src[o + 16 + i]) >> j) & 1) << 4)
+                s += code * np.int32(xq[y + i])
+            isc += sc * s
+            imin += m * (xs16[16 * b + 2 * j] + xs16[16 * b + 2 * j + 1])
+        acc += xd[b] * (f16(src, o) * np.float32(isc) - f16(src, o + 2) * np.float32(imin))
+    return acc
+
+
+@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def idot_q5_k(src, xq, xd, xs16):
+    """One Q5_K row times Q8_K activations: Q4_K's dot with a fifth code bit (fdot_q5_k_blocks with GFNI)."""
+    if HAS_GFNI and HAS_F16C:
+        return fdot_q5_k_blocks(src, xq, xd, xs16, xq.shape[0] // 256)
+    return idot_q5_k_loop(src, xq, xd, xs16)
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)

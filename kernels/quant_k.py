@@ -9,7 +9,7 @@ All arithmetic stays in float32, as in ggml.
 import numba
 import numpy as np
 
-from .ggml_blocks import f16
+from .ggml_blocks import f16, scale_min_k4
 from .quant import register_type
 from .simd import dequant_nibbles_32, dequant_q2_32, dequant_q6_half, fdot_q2_k_row
 
@@ -29,20 +29,6 @@ _Q4_BYTES = 144
 _Q5_BYTES = 176
 # Q6_K: ql[128] (low 4 bits), qh[64] (high 2 bits), scales[16] (int8), d
 _Q6_BYTES = 210
-
-
-@numba.njit(inline="always", nogil=True)
-def _scale_min_k4(src, off, j):
-    """Sub-block j's 6-bit (scale, min) from the 12 packed bytes at `off` (Q4_K, Q5_K).
-
-    Bytes 0-3 hold scales 0-3 in their low 6 bits, bytes 4-7 mins 0-3; scales/mins 4-7 take their low
-    nibble from bytes 8-11 and their top 2 bits from the spare high bits of bytes 0-3 / 4-7.
-    """
-    if j < 4:
-        return np.int32(src[off + j] & 63), np.int32(src[off + j + 4] & 63)
-    sc = (src[off + j + 4] & 0xF) | ((src[off + j - 4] >> 6) << 4)
-    m = (src[off + j + 4] >> 4) | ((src[off + j] >> 6) << 4)
-    return np.int32(sc), np.int32(m)
 
 
 @numba.njit(inline="always", nogil=True)
@@ -129,10 +115,10 @@ def dequant_q4_k(src, dst):
         dmin = f16(src, o + 2)
         # Four groups of 64 weights from 32 bytes: low nibbles are sub-block 2g, high nibbles 2g + 1.
         for g in range(4):
-            sc, m = _scale_min_k4(src, o + 4, 2 * g)
+            sc, m = scale_min_k4(src, o + 4, 2 * g)
             d1 = d * np.float32(sc)
             m1 = dmin * np.float32(m)
-            sc, m = _scale_min_k4(src, o + 4, 2 * g + 1)
+            sc, m = scale_min_k4(src, o + 4, 2 * g + 1)
             d2 = d * np.float32(sc)
             m2 = dmin * np.float32(m)
             dequant_nibbles_32(src, o + 16 + 32 * g, d1, m1, d2, m2, dst, b * _QK_K + 64 * g)
@@ -146,10 +132,10 @@ def dequant_q5_k(src, dst):
         dmin = f16(src, o + 2)
         # As Q4_K, plus a fifth bit (worth 16): bit s of qh byte l for sub-block s.
         for g in range(4):
-            sc, m = _scale_min_k4(src, o + 4, 2 * g)
+            sc, m = scale_min_k4(src, o + 4, 2 * g)
             d1 = d * np.float32(sc)
             m1 = dmin * np.float32(m)
-            sc, m = _scale_min_k4(src, o + 4, 2 * g + 1)
+            sc, m = scale_min_k4(src, o + 4, 2 * g + 1)
             d2 = d * np.float32(sc)
             m2 = dmin * np.float32(m)
             qh = o + 16

@@ -461,23 +461,17 @@ def _q4_k_scales_mins(context, builder, src_ty, src, o):
     return sc, mn
 
 
-@intrinsic
-def fdot_q4_k_row(typingctx, src, x, xsum32, blocks):
-    """sum over the first `blocks` Q4_K blocks of a row times float32 x (xsum32: its 32-sums) of d * sum_j sc_j
-    (q_j . x_j) - dmin * sum_j m_j sum(x_j): each sub-block's code products summed in float lanes and scaled
-    once by d sc_j (not value by value), the mins against the 32-sums; lanes kept across blocks and reduced
-    once (_float_lanes_row). Codes come from 16 bytes at a time zero-extended to 32-bit lanes, where the low
-    and high nibbles (sub-blocks 2 g and 2 g + 1) are an AND and a shift apart."""
-    if not (_byte_array(src) and _float_array(x) and _float_array(xsum32)):
-        return None
-
+def _k4_row_codegen(size, nibbles_at, fifth_at=None):
+    """The codegen of fdot_q4_k_row (and of fdot_q5_k_row: blocks of `size` bytes, the nibbles from byte
+    `nibbles_at`, and with fifth_at the fifth code bits from there, bit j of byte l % 32 for value l of sub-block
+    j, one shift, mask and OR per 16 codes)."""
     def codegen(context, builder, sig, args):
         src_ty, src_v, x_ty, x_v, xs_ty, xs_v = sig.args[0], args[0], sig.args[1], args[1], sig.args[2], args[2]
         f32 = ir.FloatType()
         v16i, v16f, v8f = ir.VectorType(_I32, 16), ir.VectorType(f32, 16), ir.VectorType(f32, 8)
 
         def terms(b):
-            o = builder.mul(b, ir.Constant(b.type, 144))
+            o = builder.mul(b, ir.Constant(b.type, size))
             y = builder.mul(b, ir.Constant(b.type, 256))
             sc, mn = _q4_k_scales_mins(context, builder, src_ty, src_v, o)
             d = _half_at(context, builder, src_ty, src_v, o)
@@ -486,11 +480,17 @@ def fdot_q4_k_row(typingctx, src, x, xsum32, blocks):
             sums = [None] * 8
             for g in range(4):
                 for k in range(2):
-                    raw = builder.zext(_load(context, builder, src_ty, src_v, _at(builder, o, 16 + 32 * g + 16 * k),
-                                             16), v16i)
+                    raw = builder.zext(_load(context, builder, src_ty, src_v,
+                                             _at(builder, o, nibbles_at + 32 * g + 16 * k), 16), v16i)
+                    if fifth_at is not None:
+                        qh = builder.zext(_load(context, builder, src_ty, src_v, _at(builder, o, fifth_at + 16 * k),
+                                                16), v16i)
                     for half, codes in enumerate((builder.and_(raw, _vec_const(32, [15] * 16)),
                                                   builder.lshr(raw, _vec_const(32, [4] * 16)))):
                         j = 2 * g + half
+                        if fifth_at is not None:
+                            top = builder.and_(builder.lshr(qh, _vec_const(32, [j] * 16)), _vec_const(32, [1] * 16))
+                            codes = builder.or_(codes, builder.shl(top, _vec_const(32, [4] * 16)))
                         xv = _load_vec(context, builder, x_ty, x_v, _at(builder, y, 32 * j + 16 * k), f32, 16)
                         part = builder.fmul(builder.sitofp(codes, v16f), xv, flags=_FL)
                         sums[j] = part if sums[j] is None else builder.fadd(sums[j], part, flags=_FL)
@@ -503,28 +503,71 @@ def fdot_q4_k_row(typingctx, src, x, xsum32, blocks):
             mins16 = builder.shuffle_vector(mins, ir.Constant(v8f, [0.0] * 8), _vec_const(32, list(range(16))))
             return [(lanes, ir.Constant(f32, 1.0)), (mins16, builder.fneg(dmin))]
         return _float_lanes_row(context, builder, args[3], terms)
-    return types.float32(src, x, xsum32, blocks), codegen
+    return codegen
 
 
-def _q4_k_codes64(context, builder, src_ty, src, o, gi):
-    """The 64 codes of sub-blocks 2 gi and 2 gi + 1 of the Q4_K block at src[o] as <64 x u8> (GFNI): their 32
-    bytes twice, low nibbles from the lower 4 quadwords, high from the upper 4."""
-    q = _load(context, builder, src_ty, src, _at(builder, o, 16 + 32 * gi), 32)
-    return _nibbles64(builder, builder.shuffle_vector(q, q, _vec_const(32, list(range(32)) * 2)))
+@intrinsic
+def fdot_q4_k_row(typingctx, src, x, xsum32, blocks):
+    """sum over the first `blocks` Q4_K blocks of a row times float32 x (xsum32: its 32-sums) of d * sum_j sc_j
+    (q_j . x_j) - dmin * sum_j m_j sum(x_j): each sub-block's code products summed in float lanes and scaled
+    once by d sc_j (not value by value), the mins against the 32-sums; lanes kept across blocks and reduced
+    once (_float_lanes_row). Codes come from 16 bytes at a time zero-extended to 32-bit lanes, where the low
+    and high nibbles (sub-blocks 2 g and 2 g + 1) are an AND and a shift apart."""
+    if not (_byte_array(src) and _float_array(x) and _float_array(xsum32)):
+        return None
+    return types.float32(src, x, xsum32, blocks), _k4_row_codegen(144, 16)
 
 
-def _q4_k_packed_dots(context, builder, src_ty, src, o, xq_ty, xq, y, sc16):
-    """sum_j sc_j (q_j . x_j) of the Q4_K block at src[o] spread over <16 x i32> (GFNI and VNNI): each 64 codes'
-    dot in 4-value sums by vpdpbusd (lanes 0-7 sub-block 2 gi, 8-15 sub-block 2 gi + 1; |sum| <= 4 * 15 * 128
-    fits int16), two such vectors packed to words by vpackssdw and scaled by one vpdpwssd. The scale words are
-    made twice a block instead of four times, and two of the four word multiplies go: on a Zen 4 core the row
-    dot went 0.032 -> 0.030 ns a weight from the cache (vpmaddubsw and a scaled vpmaddwd per 64 codes before)."""
+@intrinsic
+def fdot_q5_k_row(typingctx, src, x, xsum32, blocks):
+    """fdot_q4_k_row for Q5_K rows (176-byte blocks: Q4_K's scales, 32 bytes of fifth bits, the nibbles from byte
+    48)."""
+    if not (_byte_array(src) and _float_array(x) and _float_array(xsum32)):
+        return None
+    return types.float32(src, x, xsum32, blocks), _k4_row_codegen(176, 48, 16)
+
+
+def _twice32(builder, v):
+    """<32 x i8> v twice, as <64 x i8>."""
+    return builder.shuffle_vector(v, v, _vec_const(32, list(range(32)) * 2))
+
+
+def _nibble_codes64(context, builder, src_ty, src, at):
+    """The 64 nibbles of the 32 bytes at src[at] as <64 x u8> (GFNI): the bytes twice, low nibbles from the lower 4
+    quadwords, high from the upper 4 (sub-blocks 2 gi and 2 gi + 1 of a Q4_K or Q5_K block's 64-value group gi)."""
+    return _nibbles64(builder, _twice32(builder, _load(context, builder, src_ty, src, at, 32)))
+
+
+def _bit_to_4(s):
+    """The vgf2p8affineqb matrix that moves a byte's bit s to bit 4 and clears the others."""
+    return (1 << s) << 24
+
+
+def _q5_k_codes(context, builder, src_ty, src, o):
+    """The codes of the Q5_K block at src[o] (176 bytes: fp16 d and dmin, Q4_K's 12 scale bytes, 32 bytes of fifth
+    bits qh, 128 of low nibbles) as a function of gi -> the 64 codes of sub-blocks 2 gi and 2 gi + 1 (<64 x u8>,
+    GFNI): Q4_K's nibbles from byte 48 on, ORed with 16 times bit 2 gi (low nibbles) or 2 gi + 1 (high nibbles) of
+    qh byte j % 32, ggml's dequantize_row_q5_K, by one more vgf2p8affineqb per 64 codes."""
+    qh = _twice32(builder, _load(context, builder, src_ty, src, _at(builder, o, 16), 32))
+
+    def codes(gi):
+        low = _nibble_codes64(context, builder, src_ty, src, _at(builder, o, 48 + 32 * gi))
+        return builder.or_(low, _affine_bytes(builder, qh, [_bit_to_4(2 * gi)] * 4 + [_bit_to_4(2 * gi + 1)] * 4))
+    return codes
+
+
+def _q4_k_packed_dots(context, builder, codes, xq_ty, xq, y, sc16):
+    """sum_j sc_j (q_j . x_j) of a Q4_K block (or Q5_K: codes(gi) gives each 64) spread over <16 x i32> (GFNI and
+    VNNI): each 64 codes' dot in 4-value sums by vpdpbusd (lanes 0-7 sub-block 2 gi, 8-15 sub-block 2 gi + 1; |sum|
+    <= 4 * 31 * 128 fits int16), two such vectors packed to words by vpackssdw and scaled by one vpdpwssd. The
+    scale words are made twice a block instead of four times, and two of the four word multiplies go: on a Zen 4
+    core the row dot went 0.032 -> 0.030 ns a weight from the cache (vpmaddubsw and a scaled vpmaddwd per 64 codes
+    before)."""
     v16, w32 = ir.VectorType(_I32, 16), ir.VectorType(ir.IntType(16), 32)
     dots = []
     for gi in range(4):
-        codes = _q4_k_codes64(context, builder, src_ty, src, o, gi)
         x = _load(context, builder, xq_ty, xq, _at(builder, y, 64 * gi), 64)
-        dots.append(_dpbusd(builder, ir.Constant(v16, [0] * 16), builder.bitcast(codes, v16),
+        dots.append(_dpbusd(builder, ir.Constant(v16, [0] * 16), builder.bitcast(codes(gi), v16),
                             builder.bitcast(x, v16), True))
     total = ir.Constant(v16, [0] * 16)
     for pair in range(2):
@@ -538,15 +581,15 @@ def _q4_k_packed_dots(context, builder, src_ty, src, o, xq_ty, xq, y, sc16):
     return total
 
 
-def _q4_k_scaled_dots(context, builder, src_ty, src, o, xq_ty, xq, y, sc16):
+def _q4_k_scaled_dots(context, builder, src_ty, src, o, xq_ty, xq, y, sc16, codes):
     """_q4_k_packed_dots without VNNI: per 64 codes (32 without AVX-512BW) vpmaddubsw and a vpmaddwd by the scale
-    words, as <16 x i32> (<32 x i32> without AVX-512BW)."""
+    words, as <16 x i32> (<32 x i32> without AVX-512BW). Without GFNI the Q4_K codes come from the block at src[o]
+    by masks and shifts (Q5_K's need GFNI)."""
     total = None
     for gi in range(4):
         if HAS_GFNI:
             x = _load(context, builder, xq_ty, xq, _at(builder, y, 64 * gi), 64)
-            codes = _q4_k_codes64(context, builder, src_ty, src, o, gi)
-            part = _madd_scaled(builder, codes, x, _shuffle(builder, sc16, [2 * gi + k // 16 for k in range(32)]))
+            part = _madd_scaled(builder, codes(gi), x, _shuffle(builder, sc16, [2 * gi + k // 16 for k in range(32)]))
             total = part if total is None else builder.add(total, part)
             continue
         q = _load(context, builder, src_ty, src, _at(builder, o, 16 + 32 * gi), 32)
@@ -565,16 +608,22 @@ def _q4_k_scaled_dots(context, builder, src_ty, src, o, xq_ty, xq, y, sc16):
     return total
 
 
-def _q4_k_lanes(context, builder, src_ty, src, o, xq_ty, xq, y, xs_ty, xs, g):
+def _q4_k_lanes(context, builder, src_ty, src, o, xq_ty, xq, y, xs_ty, xs, g, codes=None):
     """The lanes of a Q4_K block (144 bytes at src[o]) times 256 Q8_K codes xq[y:] with their 16-sums at xs[g:],
     before any reduction: (sum_j sc_j (q_j . x_j) spread over <16 x i32> (<32 x i32> without AVX-512BW),
     m_j times each of sub-block j's two 16-sums as <16 x i32> (without AVX-512BW m_j times their sum, <8 x i32>)).
     The eight 6-bit scales and mins come from their 12 bytes by _q4_k_scales_mins, the scaled dots from
-    _q4_k_packed_dots (GFNI and VNNI) or _q4_k_scaled_dots."""
+    _q4_k_packed_dots (GFNI and VNNI) or _q4_k_scaled_dots. codes: gi -> 64 codes of another format with Q4_K's
+    scales (_q5_k_lanes), else the block's own nibbles."""
     sc, mn = _q4_k_scales_mins(context, builder, src_ty, src, o)
     sc16 = builder.zext(sc, ir.VectorType(ir.IntType(16), 8))
-    dots = _q4_k_packed_dots if HAS_GFNI and HAS_VNNI else _q4_k_scaled_dots
-    total = dots(context, builder, src_ty, src, o, xq_ty, xq, y, sc16)
+    if codes is None:
+        def codes(gi):
+            return _nibble_codes64(context, builder, src_ty, src, _at(builder, o, 16 + 32 * gi))
+    if HAS_GFNI and HAS_VNNI:
+        total = _q4_k_packed_dots(context, builder, codes, xq_ty, xq, y, sc16)
+    else:
+        total = _q4_k_scaled_dots(context, builder, src_ty, src, o, xq_ty, xq, y, sc16, codes)
     sums16 = _load_vec(context, builder, xs_ty, xs, g, _I32, 16)
     if HAS_AVX512BW:  # each 16-sum times its sub-block's min by one vpmaddwd: the sums' int32 lanes read as int16
         # pairs (|sum| <= 16 * 128, so the low half is the value), the mins as (m, 0) pairs
@@ -631,6 +680,20 @@ def fdot_q4_k_blocks(typingctx, src, xq, xd, xs16, blocks):
     if not (_byte_array(src) and _byte_array(xq) and _float_array(xd) and _int32_array(xs16)):
         return None
     return types.float32(src, xq, xd, xs16, blocks), _k_row_codegen(_q4_k_lanes, 144, 0)
+
+
+def _q5_k_lanes(context, builder, src_ty, src, o, xq_ty, xq, y, xs_ty, xs, g):
+    """_q4_k_lanes of a Q5_K block (176 bytes at src[o]; codes by _q5_k_codes, GFNI)."""
+    return _q4_k_lanes(context, builder, src_ty, src, o, xq_ty, xq, y, xs_ty, xs, g,
+                       _q5_k_codes(context, builder, src_ty, src, o))
+
+
+@intrinsic
+def fdot_q5_k_blocks(typingctx, src, xq, xd, xs16, blocks):
+    """fdot_q4_k_blocks for Q5_K rows: the same scales, mins and sums, 5-bit codes (_q5_k_lanes; GFNI only)."""
+    if not (HAS_GFNI and _byte_array(src) and _byte_array(xq) and _float_array(xd) and _int32_array(xs16)):
+        return None
+    return types.float32(src, xq, xd, xs16, blocks), _k_row_codegen(_q5_k_lanes, 176, 0)
 
 
 def _u64_table(ty) -> bool:

@@ -196,6 +196,21 @@ def _q4_k_sums(src, o, x, y):
     return isc, sum(mn[j] * int(xv[32 * j:32 * j + 32].sum()) for j in range(8))
 
 
+def _q5_k_sums(src, o, x, y):
+    """The same for a Q5_K block: Q4_K's scales and nibbles (from byte 48), plus 16 times bit j of fifth-bit byte
+    o + 16 + l % 32 for value l of sub-block j (ggml's dequantize_row_q5_K)."""
+    s = [int(v) for v in src[o + 4:o + 16]]
+    sc = [s[j] & 63 if j < 4 else (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4) for j in range(8)]
+    mn = [s[j + 4] & 63 if j < 4 else (s[j + 4] >> 4) | ((s[j] >> 6) << 4) for j in range(8)]
+    qh = src[o + 16:o + 48].astype(np.int64)
+    q = src[o + 48:o + 176].astype(np.int64)
+    codes = np.concatenate([(q[32 * (j // 2):32 * (j // 2) + 32] >> (4 * (j % 2)) & 15) + 16 * (qh >> j & 1)
+                            for j in range(8)])
+    xv = x[y:y + 256].astype(np.int64)
+    isc = sum(sc[j] * int(codes[32 * j:32 * j + 32] @ xv[32 * j:32 * j + 32]) for j in range(8))
+    return isc, sum(mn[j] * int(xv[32 * j:32 * j + 32].sum()) for j in range(8))
+
+
 def _q2_k_sums(src, o, x, y):
     """The same for a Q2_K block: 2-bit codes at shifts 0, 2, 4, 6 of two 32-byte groups, a 4-bit scale and min
     per 16 values."""
@@ -221,7 +236,9 @@ def test_idot_k_block(rng, avx512bw, name, sums):
 
 
 @pytest.mark.skipif(not simd.HAS_AVX512BW, reason="this CPU has no AVX-512BW")
-@pytest.mark.parametrize("name,sums,size,at", [("q4_k", _q4_k_sums, 144, 0), ("q2_k", _q2_k_sums, 84, 80)])
+@pytest.mark.parametrize("name,sums,size,at", [
+    ("q4_k", _q4_k_sums, 144, 0), ("q2_k", _q2_k_sums, 84, 80),
+    pytest.param("q5_k", _q5_k_sums, 176, 0, marks=pytest.mark.skipif(not simd.HAS_GFNI, reason="no GFNI"))])
 def test_fdot_k_blocks(rng, name, sums, size, at):
     """Whole rows (three blocks; and the first alone): sum_b xd[b] (d_b isc_b - dmin_b imin_b), d and dmin the
     block's fp16 pair at byte `at`."""
