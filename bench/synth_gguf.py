@@ -66,6 +66,7 @@ _TYPE_IDS = {"Q8_0": int(Q.Q8_0), "Q4_K": int(Q.Q4_K), "Q2_K": int(Q.Q2_K), "IQ2
 # Values keep a weight's magnitude around 1e-2, like a trained matrix of fan-in 2048.
 _SCALE_FIELDS: dict[int, tuple[tuple[int, float], ...]] = {
     int(Q.Q4_K): ((0, 1.5e-4), (2, 1e-4)),  # d, dmin; 6-bit scales/mins and 4-bit codes random
+    int(Q.Q3_K): ((108, 1e-4),),  # d after hmask, codes, 6-bit scales
     int(Q.Q5_K): ((0, 7.5e-5), (2, 1e-4)),  # d, dmin; Q4_K's scales/mins, fifth bits and 4-bit codes random
     int(Q.Q6_K): ((208, 5e-5),),  # d after ql, qh, int8 scales
     int(Q.Q2_K): ((80, 8e-4), (82, 4e-4)),  # d, dmin after scales and codes

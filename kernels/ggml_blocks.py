@@ -37,6 +37,18 @@ def scale_min_k4(src, off, j):
 
 
 @numba.njit(inline="always", nogil=True)
+def q3_scale(src, off, s):
+    """Sub-block s's signed 6-bit scale (-32..31) from the 12 packed bytes at `off` (Q3_K).
+
+    Low nibbles: bytes 0-7 (low nibble for scales 0-7, high nibble for 8-15); top 2 bits: byte
+    8 + s % 4, bit pair s // 4.
+    """
+    lo = np.int32(src[off + s] & 0xF) if s < 8 else np.int32(src[off + s - 8] >> 4)
+    hi = (np.int32(src[off + 8 + (s & 3)]) >> (2 * (s >> 2))) & 3
+    return (lo | (hi << 4)) - 32
+
+
+@numba.njit(inline="always", nogil=True)
 def half_to_float(h):
     """IEEE half (given as its 16 bits) to float32, exactly: (1024 + mantissa) * 2^(exp - 25), each
     factor and product exact in float32, and no temporary array (this runs once per block)."""

@@ -14,10 +14,10 @@ float32 rounding (tests compare with float64), so this is the fast path of ``qua
 import numba
 import numpy as np
 
-from .ggml_blocks import f16, round_to_half, scale_min_k4
-from .simd import (HAS_AVX512BW, HAS_F16C, HAS_GFNI, HAS_VNNI, fdot_q2_0_blocks, fdot_q2_k_blocks, fdot_q4_k_blocks,
-                   fdot_q5_k_blocks, fdot_q6_k_blocks, fdot_q8_0_octets, fdot_q8_0_pairs, idot_q2_0_block,
-                   idot_q2_k_block, idot_q4_k_block, idot_q6_half, idot_s8_32)
+from .ggml_blocks import f16, q3_scale, round_to_half, scale_min_k4
+from .simd import (HAS_AVX512BW, HAS_F16C, HAS_GFNI, HAS_VNNI, fdot_q2_0_blocks, fdot_q2_k_blocks, fdot_q3_k_blocks,
+                   fdot_q4_k_blocks, fdot_q5_k_blocks, fdot_q6_k_blocks, fdot_q8_0_octets, fdot_q8_0_pairs,
+                   idot_q2_0_block, idot_q2_k_block, idot_q4_k_block, idot_q6_half, idot_s8_32)
 
 _FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 
@@ -175,6 +175,36 @@ def idot_q5_k(src, xq, xd, xs16):
     if HAS_GFNI and HAS_F16C:
         return fdot_q5_k_blocks(src, xq, xd, xs16, xq.shape[0] // 256)
     return idot_q5_k_loop(src, xq, xd, xs16)
+
+
+@numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)
+def idot_q3_k_loop(src, xq, xd, xs16):
+    """idot_q3_k without AVX-512BW: per run r of 16 the signed scale s_r times (c . x_r - 4 sum(x_r)), c the 3-bit
+    codes (the 2-bit code at shift 2 j of qs byte 32 n + l, plus 4 times bit 4 n + j of hm byte l, for the run's
+    values 128 n + 32 j + l), per 256 d times xd, as ggml's vec_dot_q3_K_q8_K."""
+    acc = np.float32(0.0)
+    for b in range(xq.shape[0] // 256):
+        o = b * 110
+        isum = 0
+        for r in range(16):
+            n, j, l0 = r // 8, (r % 8) // 2, 16 * (r % 2)
+            s = 0
+            for i in range(l0, l0 + 16):
+                low = (np.int32(src[o + 32 + 32 * n + i]) >> (2 * j)) & 3
+                high = (np.int32(src[o + i]) >> (4 * n + j)) & 1
+                s += (low | (high << 2)) * np.int32(xq[256 * b + 128 * n + 32 * j + i])
+            isum += q3_scale(src, o + 96, r) * (s - 4 * xs16[16 * b + r])
+        acc += xd[b] * f16(src, o + 108) * np.float32(isum)
+    return acc
+
+
+@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def idot_q3_k(src, xq, xd, xs16):
+    """One Q3_K row times Q8_K activations: the Q2_K dot's layout with a third code bit and signed scales
+    (fdot_q3_k_blocks with AVX-512BW)."""
+    if HAS_AVX512BW and HAS_F16C:
+        return fdot_q3_k_blocks(src, xq, xd, xs16, xq.shape[0] // 256)
+    return idot_q3_k_loop(src, xq, xd, xs16)
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)

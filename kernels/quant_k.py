@@ -9,9 +9,9 @@ All arithmetic stays in float32, as in ggml.
 import numba
 import numpy as np
 
-from .ggml_blocks import f16, scale_min_k4
+from .ggml_blocks import f16, q3_scale, scale_min_k4
 from .quant import register_type
-from .simd import dequant_nibbles_32, dequant_q2_32, dequant_q6_half, fdot_q2_k_row
+from .simd import dequant_nibbles_32, dequant_q2_32, dequant_q6_half, fdot_q2_k_row, fdot_q3_k_row
 
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
 _QK_K = 256  # weights per super-block
@@ -29,18 +29,6 @@ _Q4_BYTES = 144
 _Q5_BYTES = 176
 # Q6_K: ql[128] (low 4 bits), qh[64] (high 2 bits), scales[16] (int8), d
 _Q6_BYTES = 210
-
-
-@numba.njit(inline="always", nogil=True)
-def _q3_scale(src, off, s):
-    """Sub-block s's signed 6-bit scale (-32..31) from the 12 packed bytes at `off` (Q3_K).
-
-    Low nibbles: bytes 0-7 (low nibble for scales 0-7, high nibble for 8-15); top 2 bits: byte
-    8 + s % 4, bit pair s // 4.
-    """
-    lo = np.int32(src[off + s] & 0xF) if s < 8 else np.int32(src[off + s - 8] >> 4)
-    hi = (np.int32(src[off + 8 + (s & 3)]) >> (2 * (s >> 2))) & 3
-    return (lo | (hi << 4)) - 32
 
 
 @numba.njit(inline="always", nogil=True)
@@ -74,6 +62,12 @@ def dot_q2_k(src, x, xsum32):
     return fdot_q2_k_row(src, x, x.shape[0] // _QK_K)
 
 
+@numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
+def dot_q3_k(src, x, xsum32):
+    """One Q3_K row times float32 x, straight from the blocks (simd.fdot_q3_k_row)."""
+    return fdot_q3_k_row(src, x, x.shape[0] // _QK_K)
+
+
 @numba.njit(inline="always", nogil=True)
 def _q3_value(v, shift, h, hbit):
     """3-bit Q3_K value: 2 bits of v at `shift`, minus 4 unless bit `hbit` of the hmask byte h is set."""
@@ -90,10 +84,10 @@ def dequant_q3_k(src, dst):
         for half in range(2):
             for part in range(2):
                 s = 8 * half + part
-                dl0 = d * np.float32(_q3_scale(src, o + 96, s))
-                dl1 = d * np.float32(_q3_scale(src, o + 96, s + 2))
-                dl2 = d * np.float32(_q3_scale(src, o + 96, s + 4))
-                dl3 = d * np.float32(_q3_scale(src, o + 96, s + 6))
+                dl0 = d * np.float32(q3_scale(src, o + 96, s))
+                dl1 = d * np.float32(q3_scale(src, o + 96, s + 2))
+                dl2 = d * np.float32(q3_scale(src, o + 96, s + 4))
+                dl3 = d * np.float32(q3_scale(src, o + 96, s + 6))
                 hm = o + 16 * part
                 qs = o + 32 + 32 * half + 16 * part
                 y = b * _QK_K + 128 * half + 16 * part

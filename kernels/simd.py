@@ -650,11 +650,12 @@ def idot_q4_k_block(typingctx, src, o, xq, y, xs16, g, d, dmin):
     return types.float32(src, o, xq, y, xs16, g, types.float32, types.float32), codegen
 
 
-def _k_row_codegen(lanes, size, at):
+def _k_row_codegen(lanes, size, at, dmin=True):
     """The codegen of a row dot over k-quant blocks with mins (fdot_q4_k_blocks, fdot_q2_k_blocks): sum over
     blocks b of xd[b] * (d * scaled dots - dmin * mins), `lanes` giving a block's two <16 x i32> lane vectors
     (before reduction; AVX-512BW), blocks of `size` bytes with the fp16 d and dmin at byte `at`; into float lanes
-    with d * xd[b] and -dmin * xd[b] (_float_lanes_row)."""
+    with d * xd[b] and -dmin * xd[b] (_float_lanes_row). Without dmin (Q3_K) the block has d alone and the second
+    lanes are scaled by -d."""
     def codegen(context, builder, sig, args):
         src_ty, src_v, xq_ty, xq_v, xd_ty, xd_v, xs_ty, xs_v = (sig.args[0], args[0], sig.args[1], args[1],
                                                                 sig.args[2], args[2], sig.args[3], args[3])
@@ -665,7 +666,11 @@ def _k_row_codegen(lanes, size, at):
             total, mins = lanes(context, builder, src_ty, src_v, o, xq_ty, xq_v, y, xs_ty, xs_v, g)
             # d and dmin converted as a pair, times xd[b] and (1, -1)
             v2f = ir.VectorType(ir.FloatType(), 2)
-            dd = builder.fpext(_load_vec(context, builder, src_ty, src_v, _at(builder, o, at), ir.HalfType(), 2), v2f)
+            if dmin:
+                dd = builder.fpext(_load_vec(context, builder, src_ty, src_v, _at(builder, o, at), ir.HalfType(), 2),
+                                   v2f)
+            else:
+                dd = _splat_f(builder, _half_at(context, builder, src_ty, src_v, _at(builder, o, at)), 2)
             dd = builder.fmul(builder.fmul(dd, _splat_f(builder, _elem(context, builder, xd_ty, xd_v, b), 2)),
                               ir.Constant(v2f, [1.0, -1.0]))
             return [(total, _shuffle(builder, dd, [0] * 16)), (mins, _shuffle(builder, dd, [1] * 16))]
@@ -1453,17 +1458,16 @@ fmadd_nn_4x4, fmadd_nn_4x1, fmadd_nn_1x4, fmadd_nn_1x1 = (_fmadd_nn_block(m, v) 
                                                                                              (1, 1)))
 
 
-def _q2_k_lanes(context, builder, src_ty, src, o, xq_ty, xq, y, xs_ty, xs, g):
-    """The lanes of a Q2_K block (84 bytes at src[o]) times 256 Q8_K codes xq[y:] with their 16-sums at xs[g:],
-    before any reduction: (sum_i (sc_i & 15) (q_i . x_i) over <16 x i32> (<32 x i32> without AVX-512BW), (sc_i >> 4)
-    sum(x_i) as <16 x i32>) over the 16 runs of 16; 2-bit codes at shifts 0, 2, 4, 6 of 32-byte groups."""
-    sb = _load(context, builder, src_ty, src, o, 16)
-    sc16 = builder.zext(builder.and_(sb, _vec_const(8, [15] * 16)), ir.VectorType(ir.IntType(16), 16))
-    mins = builder.zext(builder.lshr(sb, _vec_const(8, [4] * 16)), ir.VectorType(_I32, 16))
+def _k2_lanes(context, builder, src_ty, src, o, xq_ty, xq, y, codes_at, sc16, high=None):
+    """sum_r sc16[r] (q_r . x_r) over the 16 runs of 16 of a block whose 2-bit codes lie at shifts 0, 2, 4, 6 of the
+    32-byte groups at src[o + codes_at] and src[o + codes_at + 32] (Q2_K, Q3_K), as <16 x i32> (<32 x i32> without
+    AVX-512BW); high(half, j): <32 x i8> bits ORed onto the codes of shift 2 j (Q3_K's third bit), or None."""
     total = None
     for half in range(2):
-        q = _load(context, builder, src_ty, src, _at(builder, o, 16 + 32 * half), 32)
+        q = _load(context, builder, src_ty, src, _at(builder, o, codes_at + 32 * half), 32)
         codes = [builder.and_(builder.lshr(q, _vec_const(8, [2 * j] * 32)), _vec_const(8, [3] * 32)) for j in range(4)]
+        if high is not None:
+            codes = [builder.or_(c, high(half, j)) for j, c in enumerate(codes)]
         for j in range(4):
             run = 8 * half + 2 * j
             if HAS_AVX512BW:  # shifts j and j + 1: 64 contiguous activations, four runs, in one zmm
@@ -1476,6 +1480,56 @@ def _q2_k_lanes(context, builder, src_ty, src, o, xq_ty, xq, y, xs_ty, xs, g):
                 x = _load(context, builder, xq_ty, xq, _at(builder, y, 128 * half + 32 * j), 32)
                 part = _scaled_products(builder, codes[j], scale, x)
             total = part if total is None else builder.add(total, part)
+    return total
+
+
+def _q2_k_lanes(context, builder, src_ty, src, o, xq_ty, xq, y, xs_ty, xs, g):
+    """The lanes of a Q2_K block (84 bytes at src[o]) times 256 Q8_K codes xq[y:] with their 16-sums at xs[g:],
+    before any reduction: (sum_i (sc_i & 15) (q_i . x_i) over <16 x i32> (<32 x i32> without AVX-512BW), (sc_i >> 4)
+    sum(x_i) as <16 x i32>) over the 16 runs of 16; 2-bit codes at shifts 0, 2, 4, 6 of 32-byte groups."""
+    sb = _load(context, builder, src_ty, src, o, 16)
+    sc16 = builder.zext(builder.and_(sb, _vec_const(8, [15] * 16)), ir.VectorType(ir.IntType(16), 16))
+    mins = builder.zext(builder.lshr(sb, _vec_const(8, [4] * 16)), ir.VectorType(_I32, 16))
+    total = _k2_lanes(context, builder, src_ty, src, o, xq_ty, xq, y, 16, sc16)
+    return total, builder.mul(mins, _load_vec(context, builder, xs_ty, xs, g, _I32, 16))
+
+
+def _q3_k_scales16(context, builder, src_ty, src, o):
+    """A Q3_K block's 16 signed 6-bit scales (s - 32) as <16 x i16>, from its 12 bytes at o + 96 (ggml's
+    dequantize_row_q3_K): low nibbles of bytes 0-7, then their high nibbles, each ORed with the bit pair 2 (s // 4)
+    of byte 8 + s % 4 shifted to bits 4-5, by word shifts of one spread of the bytes. The 16 bytes are read from
+    o + 94 so that the load ends with the block (the fp16 d at 108)."""
+    w16 = ir.VectorType(ir.IntType(16), 16)
+    sb = _load(context, builder, src_ty, src, _at(builder, o, 94), 16)  # scale byte i at lane 2 + i
+    low = builder.zext(_shuffle(builder, sb, [2 + i % 8 for i in range(16)]), w16)
+    low = builder.and_(builder.lshr(low, ir.Constant(w16, [4 * (i // 8) for i in range(16)])),
+                       ir.Constant(w16, [15] * 16))
+    top = builder.zext(_shuffle(builder, sb, [10 + i % 4 for i in range(16)]), w16)
+    top = builder.and_(builder.lshr(top, ir.Constant(w16, [2 * (i // 4) for i in range(16)])),
+                       ir.Constant(w16, [3] * 16))
+    return builder.sub(builder.or_(low, builder.shl(top, ir.Constant(w16, [4] * 16))), ir.Constant(w16, [32] * 16))
+
+
+def _q3_k_high_bits(context, builder, src_ty, src, o):
+    """A function (half, j) -> the third code bits of the Q3_K block at src[o] for shift 2 j of 32-byte group half:
+    bit 4 half + j of its 32 hm bytes, at bit 2 (<32 x i8>)."""
+    hm = _load(context, builder, src_ty, src, o, 32)
+
+    def high(half, j):
+        bit = builder.and_(builder.lshr(hm, _vec_const(8, [4 * half + j] * 32)), _vec_const(8, [1] * 32))
+        return builder.shl(bit, _vec_const(8, [2] * 32))
+    return high
+
+
+def _q3_k_lanes(context, builder, src_ty, src, o, xq_ty, xq, y, xs_ty, xs, g):
+    """The lanes of a Q3_K block (110 bytes at src[o]: 32 bytes of third bits hm, Q2_K's 2-bit code layout from
+    byte 32, 12 bytes of scales, fp16 d) times 256 Q8_K codes, as _q2_k_lanes: (sum_r s_r (c_r . x_r), 4 s_r
+    sum(x_r)) with c the 3-bit code (2-bit code plus 4 times bit 4 half + j of hm byte l % 32 at shift 2 j), since
+    ggml's value is s_r (c - 4) (_q3_k_scales16 for s)."""
+    sc16 = _q3_k_scales16(context, builder, src_ty, src, o)
+    total = _k2_lanes(context, builder, src_ty, src, o, xq_ty, xq, y, 32, sc16,
+                      _q3_k_high_bits(context, builder, src_ty, src, o))
+    mins = builder.mul(builder.sext(sc16, ir.VectorType(_I32, 16)), ir.Constant(ir.VectorType(_I32, 16), [4] * 16))
     return total, builder.mul(mins, _load_vec(context, builder, xs_ty, xs, g, _I32, 16))
 
 
@@ -1505,6 +1559,15 @@ def fdot_q2_k_blocks(typingctx, src, xq, xd, xs16, blocks):
 
 
 @intrinsic
+def fdot_q3_k_blocks(typingctx, src, xq, xd, xs16, blocks):
+    """sum over the first `blocks` Q3_K blocks of a row of xd[b] d_b sum_r s_r (c_r - 4) . x_r: _q3_k_lanes in
+    float lanes (_k_row_codegen; AVX-512BW only)."""
+    if not (HAS_AVX512BW and _byte_array(src) and _byte_array(xq) and _float_array(xd) and _int32_array(xs16)):
+        return None
+    return types.float32(src, xq, xd, xs16, blocks), _k_row_codegen(_q3_k_lanes, 110, 108, dmin=False)
+
+
+@intrinsic
 def dequant_q2_32(typingctx, src, qs, shift, dl0, ml0, dl1, ml1, dst, y):
     """dst[y:y+32] = dl * ((src[qs:qs+32] >> shift) & 3) - ml, with (dl0, ml0) for the first 16 values and
     (dl1, ml1) for the next 16 (Q2_K)."""
@@ -1525,45 +1588,77 @@ def dequant_q2_32(typingctx, src, qs, shift, dl0, ml0, dl1, ml1, dst, y):
 
 
 
-@intrinsic
-def fdot_q2_k_row(typingctx, src, x, blocks):
-    """sum over the first `blocks` Q2_K blocks (84 bytes) of a row times float32 x: per run of 16 the weights
-    (d * (sc & 15)) * code - dmin * (sc >> 4) formed in vector lanes and multiply-added with x, float lanes kept
-    across the row (_float_lanes_row; decoding the row first and dotting it had cost 0.26-0.32 ns per weight)."""
-    if not (_byte_array(src) and _float_array(x)):
-        return None
-
+def _k2_row_codegen(size, codes_at, run_scales, high=None):
+    """The codegen of a float row dot over blocks of `size` bytes with Q2_K's code layout (2-bit codes at shifts
+    0, 2, 4, 6 of the 32-byte groups at byte codes_at): per run of 16 the weights dl * code - ml formed in vector
+    lanes and multiply-added with x, float lanes kept across the row (_float_lanes_row; decoding the row first and
+    dotting it had cost 0.26-0.32 ns per weight). run_scales(context, builder, src_ty, src, o) gives dl and ml
+    (<16 x float>, one per run); high(context, builder, src_ty, src, o) a function (half, j) -> bits ORed onto
+    the codes of shift 2 j, or None."""
     def codegen(context, builder, sig, args):
         src_ty, src_v, x_ty, x_v = sig.args[0], args[0], sig.args[1], args[1]
         f32 = ir.FloatType()
-        v16f, v32f = ir.VectorType(f32, 16), ir.VectorType(f32, 32)
+        v32f = ir.VectorType(f32, 32)
 
         def terms(b):
-            o = builder.mul(b, ir.Constant(b.type, 84))
+            o = builder.mul(b, ir.Constant(b.type, size))
             y = builder.mul(b, ir.Constant(b.type, 256))
-            d, dmin = _half_at(context, builder, src_ty, src_v, _at(builder, o, 80)), \
-                _half_at(context, builder, src_ty, src_v, _at(builder, o, 82))
-            sc = _load(context, builder, src_ty, src_v, o, 16)  # one (scale, min) byte per run of 16
-            dl = builder.fmul(_splat_f(builder, d, 16), builder.uitofp(builder.and_(sc, _vec_const(8, [15] * 16)),
-                                                                       v16f))
-            ml = builder.fmul(_splat_f(builder, dmin, 16), builder.uitofp(builder.lshr(sc, _vec_const(8, [4] * 16)),
-                                                                          v16f))
+            dl, ml = run_scales(context, builder, src_ty, src_v, o)
+            bits = None if high is None else high(context, builder, src_ty, src_v, o)
             total = None
             for half in range(2):  # bits 2j..2j+1 of qs byte l (of 32) give weight 128 half + 32 j + l
-                q = _load(context, builder, src_ty, src_v, _at(builder, o, 16 + 32 * half), 32)
+                q = _load(context, builder, src_ty, src_v, _at(builder, o, codes_at + 32 * half), 32)
                 for j in range(4):
-                    codes = builder.uitofp(builder.and_(builder.lshr(q, _vec_const(8, [2 * j] * 32)),
-                                                        _vec_const(8, [3] * 32)), v32f)
+                    codes = builder.and_(builder.lshr(q, _vec_const(8, [2 * j] * 32)), _vec_const(8, [3] * 32))
+                    if bits is not None:
+                        codes = builder.or_(codes, bits(half, j))
                     run = 8 * half + 2 * j
                     lanes = [run] * 16 + [run + 1] * 16
-                    w = builder.fsub(builder.fmul(_shuffle(builder, dl, lanes), codes, flags=_FL),
-                                     _shuffle(builder, ml, lanes), flags=_FL)
+                    w = builder.fsub(builder.fmul(_shuffle(builder, dl, lanes), builder.uitofp(codes, v32f),
+                                                  flags=_FL), _shuffle(builder, ml, lanes), flags=_FL)
                     xv = _load_vec(context, builder, x_ty, x_v, _at(builder, y, 128 * half + 32 * j), f32, 32)
                     part = builder.fmul(w, xv, flags=_FL)
                     total = part if total is None else builder.fadd(total, part, flags=_FL)
             return [(_fold16(builder, total), ir.Constant(f32, 1.0))]
         return _float_lanes_row(context, builder, args[2], terms)
-    return types.float32(src, x, blocks), codegen
+    return codegen
+
+
+def _q2_k_run_scales(context, builder, src_ty, src, o):
+    """A Q2_K block's d * (sc & 15) and dmin * (sc >> 4) per run of 16 (one (scale, min) byte each)."""
+    v16f = ir.VectorType(ir.FloatType(), 16)
+    d, dmin = _half_at(context, builder, src_ty, src, _at(builder, o, 80)), \
+        _half_at(context, builder, src_ty, src, _at(builder, o, 82))
+    sc = _load(context, builder, src_ty, src, o, 16)
+    dl = builder.fmul(_splat_f(builder, d, 16), builder.uitofp(builder.and_(sc, _vec_const(8, [15] * 16)), v16f))
+    return dl, builder.fmul(_splat_f(builder, dmin, 16), builder.uitofp(builder.lshr(sc, _vec_const(8, [4] * 16)),
+                                                                        v16f))
+
+
+def _q3_k_run_scales(context, builder, src_ty, src, o):
+    """A Q3_K block's d * s and 4 d * s per run of 16 (_q3_k_scales16; the weight is d s (c - 4))."""
+    v16f = ir.VectorType(ir.FloatType(), 16)
+    dl = builder.fmul(_splat_f(builder, _half_at(context, builder, src_ty, src, _at(builder, o, 108)), 16),
+                      builder.sitofp(_q3_k_scales16(context, builder, src_ty, src, o), v16f))
+    return dl, builder.fmul(dl, ir.Constant(v16f, [4.0] * 16))
+
+
+@intrinsic
+def fdot_q2_k_row(typingctx, src, x, blocks):
+    """sum over the first `blocks` Q2_K blocks (84 bytes) of a row times float32 x: per run of 16 the weights
+    (d * (sc & 15)) * code - dmin * (sc >> 4) (_k2_row_codegen)."""
+    if not (_byte_array(src) and _float_array(x)):
+        return None
+    return types.float32(src, x, blocks), _k2_row_codegen(84, 16, _q2_k_run_scales)
+
+
+@intrinsic
+def fdot_q3_k_row(typingctx, src, x, blocks):
+    """sum over the first `blocks` Q3_K blocks (110 bytes) of a row times float32 x: per run of 16 the weights
+    d s (c - 4), c the 3-bit code (_q3_k_high_bits; _k2_row_codegen)."""
+    if not (_byte_array(src) and _float_array(x)):
+        return None
+    return types.float32(src, x, blocks), _k2_row_codegen(110, 32, _q3_k_run_scales, _q3_k_high_bits)
 
 
 @intrinsic

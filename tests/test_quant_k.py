@@ -119,14 +119,15 @@ def test_act_quant_products_match_float64(rng, ggml_type):
             assert_product_close(got, w, q8_k_activations_ref(xs), MATMUL_TOL)
 
 
-def test_q5_k_integer_dot_without_gfni_matches_float64(rng):
-    """The Q5_K integer dot's portable loop (CPUs without GFNI; this one may take the vector path in matvec): a
-    row against float64 of gguf's weights times the activations its Q8_K codes stand for."""
+@pytest.mark.parametrize("ggml_type,loop", [(11, "idot_q3_k_loop"), (13, "idot_q5_k_loop")])
+def test_integer_dot_loops_match_float64(rng, ggml_type, loop):
+    """The Q3_K and Q5_K integer dots' portable loops (CPUs without AVX-512BW or GFNI; this one may take the vector
+    path in matvec): rows against float64 of gguf's weights times the activations their Q8_K codes stand for."""
     for k in (256, 2048):
-        raw = random_blocks(rng, 13, 3, k)
-        w = gguf_weights(raw, 13)
+        raw = random_blocks(rng, ggml_type, 3, k)
+        w = gguf_weights(raw, ggml_type)
         xq, xd, xs16 = quant_int.q8_activations(random_activations(rng, (k,)), QK_K)
         x64 = xq.astype(np.float64) * np.repeat(xd.astype(np.float64), QK_K)
         for r in range(3):
-            got = quant_int.idot_q5_k_loop(raw[r], xq, xd, xs16)
+            got = getattr(quant_int, loop)(raw[r], xq, xd, xs16)
             assert_product_close(np.array([got]), w[r:r + 1], x64, MATVEC_TOL)
