@@ -14,10 +14,11 @@ float32 rounding (tests compare with float64), so this is the fast path of ``qua
 import numba
 import numpy as np
 
-from .ggml_blocks import f16, q3_scale, round_to_half, scale_min_k4
-from .simd import (HAS_AVX512BW, HAS_F16C, HAS_GFNI, HAS_VNNI, fdot_q2_0_blocks, fdot_q2_k_blocks, fdot_q3_k_blocks,
-                   fdot_q4_k_blocks, fdot_q5_k_blocks, fdot_q6_k_blocks, fdot_q8_0_octets, fdot_q8_0_pairs,
-                   idot_q2_0_block, idot_q2_k_block, idot_q4_k_block, idot_q6_half, idot_s8_32)
+from .ggml_blocks import f16, q3_scale, round_to_half, scale_min_k4, u16
+from .simd import (HAS_AVX512BW, HAS_F16C, HAS_GFNI, HAS_VNNI, IQ4_LEVELS, fdot_iq4_xs_blocks, fdot_q2_0_blocks,
+                   fdot_q2_k_blocks, fdot_q3_k_blocks, fdot_q4_k_blocks, fdot_q5_k_blocks, fdot_q6_k_blocks,
+                   fdot_q8_0_octets, fdot_q8_0_pairs, idot_q2_0_block, idot_q2_k_block, idot_q4_k_block, idot_q6_half,
+                   idot_s8_32)
 
 _FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 
@@ -205,6 +206,39 @@ def idot_q3_k(src, xq, xd, xs16):
     if HAS_AVX512BW and HAS_F16C:
         return fdot_q3_k_blocks(src, xq, xd, xs16, xq.shape[0] // 256)
     return idot_q3_k_loop(src, xq, xd, xs16)
+
+
+_IQ4_LEVELS = np.array(IQ4_LEVELS, np.int32)
+
+
+@numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)
+def idot_iq4_xs_loop(src, xq, xd, xs16):
+    """idot_iq4_xs without VNNI: per sub-block ib of 32 its scale ls - 32 (low nibble from scales_l, top bits from
+    scales_h) times the levels of its codes (value l < 16 the low nibble of byte l, l >= 16 the high nibble of
+    byte l - 16) dotted with the activation codes, in integers; per 256 d times xd (ggml's vec_dot_iq4_xs_q8_K)."""
+    acc = np.float32(0.0)
+    for b in range(xq.shape[0] // 256):
+        o = b * 136
+        scales_h = np.int32(u16(src, o + 2))
+        isum = 0
+        for ib in range(8):
+            ls = ((np.int32(src[o + 4 + ib // 2]) >> (4 * (ib % 2))) & 15) | (((scales_h >> (2 * ib)) & 3) << 4)
+            s = 0
+            for i in range(16):
+                q = np.int32(src[o + 8 + 16 * ib + i])
+                y = 256 * b + 32 * ib + i
+                s += _IQ4_LEVELS[q & 15] * np.int32(xq[y]) + _IQ4_LEVELS[q >> 4] * np.int32(xq[y + 16])
+            isum += (ls - 32) * s
+        acc += xd[b] * f16(src, o) * np.float32(isum)
+    return acc
+
+
+@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def idot_iq4_xs(src, xq, xd, xs16):
+    """One IQ4_XS row times Q8_K activations (fdot_iq4_xs_blocks with VNNI)."""
+    if HAS_VNNI and HAS_F16C:
+        return fdot_iq4_xs_blocks(src, xq, xd, xq.shape[0] // 256)
+    return idot_iq4_xs_loop(src, xq, xd, xs16)
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)

@@ -19,10 +19,11 @@ import numpy as np
 
 from .ggml_blocks import f16, u16
 from .quant import register_type
+from .simd import IQ4_LEVELS, fdot_iq4_xs_row
 
 IQ4_NL, IQ4_XS, MXFP4 = 20, 23, 39
 
-KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+KVALUES_IQ4NL = np.array(IQ4_LEVELS, np.float32)
 KVALUES_FP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)  # e2m1, doubled
 
 _QK = 32
@@ -57,6 +58,12 @@ def dequant_iq4_xs(src, dst):
             ls = low | (((scales_h >> (2 * ib)) & 3) << 4)
             dl = d * np.float32(ls - 32)
             _decode_nibbles(src, o + 8 + 16 * ib, dl, KVALUES_IQ4NL, dst, b * _QK_K + _QK * ib)
+
+
+@numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
+def dot_iq4_xs(src, x, xsum32):
+    """One IQ4_XS row times float32 x, straight from the blocks (simd.fdot_iq4_xs_row)."""
+    return fdot_iq4_xs_row(src, x, x.shape[0] // _QK_K)
 
 
 @numba.njit(nogil=True, inline="always")

@@ -1567,6 +1567,107 @@ def fdot_q3_k_blocks(typingctx, src, xq, xd, xs16, blocks):
     return types.float32(src, xq, xd, xs16, blocks), _k_row_codegen(_q3_k_lanes, 110, 108, dmin=False)
 
 
+# IQ4_NL's and IQ4_XS's 16 levels (ggml's kvalues_iq4nl): codes 0-7 negative, 8-15 positive.
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def _iq4_xs_scales8(context, builder, src_ty, src, o):
+    """An IQ4_XS block's eight sub-block scales ls - 32 as <8 x float>: the low nibbles from scales_l (bytes 4-7,
+    nibble ib % 2 of byte ib // 2), the top two bits from scales_h (bits 2 ib, 2 ib + 1 of the word at byte 2),
+    by word shifts."""
+    w8 = ir.VectorType(ir.IntType(16), 8)
+    head = _load(context, builder, src_ty, src, o, 8)
+    low = builder.zext(_shuffle(builder, head, [4 + ib // 2 for ib in range(8)]), w8)
+    low = builder.and_(builder.lshr(low, ir.Constant(w8, [4 * (ib % 2) for ib in range(8)])), ir.Constant(w8, [15] * 8))
+    sh = builder.bitcast(_shuffle(builder, head, [2, 3]), ir.IntType(16))
+    top = builder.and_(builder.lshr(_splat(builder, sh, 8, 16), ir.Constant(w8, [2 * ib for ib in range(8)])),
+                       ir.Constant(w8, [3] * 8))
+    ls = builder.or_(low, builder.shl(top, ir.Constant(w8, [4] * 8)))
+    return builder.sitofp(builder.sub(ls, ir.Constant(w8, [32] * 8)), ir.VectorType(ir.FloatType(), 8))
+
+
+@intrinsic
+def fdot_iq4_xs_blocks(typingctx, src, xq, xd, blocks):
+    """sum over the first `blocks` IQ4_XS blocks of a row (136 bytes: fp16 d, scales_h, scales_l[4], qs[128]; sub-block
+    ib's 16 bytes hold its values 0-15 in their low nibbles and 16-31 in their high) of xd[b] d sum_ib (ls_ib - 32)
+    (levels . x_ib), Q8_K codes xq (VNNI). Per 128 values: the 64 bytes' low and high nibbles look up the levels'
+    magnitudes by vpshufb, codes below 8 (the negative levels) negate x under a mask, and vpdpbusd sums them
+    exactly, lanes 4 L .. 4 L + 3 holding sub-block 4 h + L; the activations come in the same order by one 16-byte
+    interleave of two loads. The lanes go to float once, scaled per sub-block (_float_lanes_row)."""
+    if not (HAS_VNNI and _byte_array(src) and _byte_array(xq) and _float_array(xd)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        src_ty, src_v, xq_ty, xq_v, xd_ty, xd_v = sig.args[0], args[0], sig.args[1], args[1], sig.args[2], args[2]
+        v64, v16 = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16)
+        zero8 = ir.Constant(v64, [0] * 64)
+        magnitudes = _vec_const(8, [abs(IQ4_LEVELS[i % 16]) for i in range(64)])
+        chunks = [[16 * c + i for c in (0, 2, 4, 6) for i in range(16)], [16 * c + i for c in (1, 3, 5, 7)
+                                                                         for i in range(16)]]
+
+        def terms(b):
+            o = builder.mul(b, ir.Constant(b.type, 136))
+            y = builder.mul(b, ir.Constant(b.type, 256))
+            scale = builder.fmul(_iq4_xs_scales8(context, builder, src_ty, src_v, o),
+                                 _splat_f(builder, builder.fmul(_half_at(context, builder, src_ty, src_v, o),
+                                                                _elem(context, builder, xd_ty, xd_v, b)), 8),
+                                 flags=_FL)
+            out = []
+            for h in range(2):
+                q = _load(context, builder, src_ty, src_v, _at(builder, o, 8 + 64 * h), 64)
+                x0 = _load(context, builder, xq_ty, xq_v, _at(builder, y, 128 * h), 64)
+                x1 = _load(context, builder, xq_ty, xq_v, _at(builder, y, 128 * h + 64), 64)
+                lanes = ir.Constant(v16, [0] * 16)
+                for half, codes in enumerate((builder.and_(q, _vec_const(8, [15] * 64)),
+                                              builder.lshr(q, _vec_const(8, [4] * 64)))):
+                    x = builder.shuffle_vector(x0, x1, _vec_const(32, chunks[half]))
+                    mag = _x86(builder, "llvm.x86.avx512.pshuf.b.512", v64, [magnitudes, codes])
+                    sx = builder.select(builder.icmp_unsigned("<", codes, _vec_const(8, [8] * 64)),
+                                        builder.sub(zero8, x), x)
+                    lanes = _dpbusd(builder, lanes, builder.bitcast(mag, v16), builder.bitcast(sx, v16), True)
+                out.append((lanes, _shuffle(builder, scale, [4 * h + i // 4 for i in range(16)])))
+            return out
+        return _float_lanes_row(context, builder, args[3], terms)
+    return types.float32(src, xq, xd, blocks), codegen
+
+
+@intrinsic
+def fdot_iq4_xs_row(typingctx, src, x, blocks):
+    """sum over the first `blocks` IQ4_XS blocks of a row times float32 x: per sub-block ib of 32 its 16 bytes'
+    low and high nibbles look up the levels by a 16-byte vpshufb, sign-extended to 16 float lanes and multiplied by
+    x[32 ib:32 ib + 16] and x[32 ib + 16:32 ib + 32]; each sub-block's sum scaled once by d (ls - 32), lanes kept
+    across the row (_float_lanes_row; decoding the row first and dotting it had cost 0.34 ns a weight)."""
+    if not (_byte_array(src) and _float_array(x)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        src_ty, src_v, x_ty, x_v = sig.args[0], args[0], sig.args[1], args[1]
+        f32 = ir.FloatType()
+        v16b, v16i, v16f = ir.VectorType(_I8, 16), ir.VectorType(_I32, 16), ir.VectorType(f32, 16)
+        levels = _vec_const(8, list(IQ4_LEVELS))
+
+        def terms(b):
+            o = builder.mul(b, ir.Constant(b.type, 136))
+            y = builder.mul(b, ir.Constant(b.type, 256))
+            dls = builder.fmul(_iq4_xs_scales8(context, builder, src_ty, src_v, o),
+                               _splat_f(builder, _half_at(context, builder, src_ty, src_v, o), 8), flags=_FL)
+            lanes = None
+            for ib in range(8):
+                q = _load(context, builder, src_ty, src_v, _at(builder, o, 8 + 16 * ib), 16)
+                total = None
+                for half, codes in enumerate((builder.and_(q, _vec_const(8, [15] * 16)),
+                                              builder.lshr(q, _vec_const(8, [4] * 16)))):
+                    w = _x86(builder, "llvm.x86.ssse3.pshuf.b.128", v16b, [levels, codes])
+                    xv = _load_vec(context, builder, x_ty, x_v, _at(builder, y, 32 * ib + 16 * half), f32, 16)
+                    part = builder.fmul(builder.sitofp(builder.sext(w, v16i), v16f), xv, flags=_FL)
+                    total = part if total is None else builder.fadd(total, part, flags=_FL)
+                part = builder.fmul(total, _shuffle(builder, dls, [ib] * 16), flags=_FL)
+                lanes = part if lanes is None else builder.fadd(lanes, part, flags=_FL)
+            return [(lanes, ir.Constant(f32, 1.0))]
+        return _float_lanes_row(context, builder, args[2], terms)
+    return types.float32(src, x, blocks), codegen
+
+
 @intrinsic
 def dequant_q2_32(typingctx, src, qs, shift, dl0, ml0, dl1, ml1, dst, y):
     """dst[y:y+32] = dl * ((src[qs:qs+32] >> shift) & 3) - ml, with (dl0, ml0) for the first 16 values and

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from gguf import quants as gguf_quants
 
-from strata_async.kernels import quant
+from strata_async.kernels import quant, quant_int
 from strata_async.kernels.quant_legacy import Q2_0, quantize_q2_0
 from strata_async.kernels.reference import dequantize_q2_0_ref, q8_k_activations_ref
 
@@ -219,3 +219,15 @@ def test_activation_rounding_at_and_just_below_half():
     got = quant.quantize_activations(x, _ggml_type("Q8_0"))
     np.testing.assert_array_equal(got, reference_activations(x, "Q8_0").astype(np.float32))
     np.testing.assert_array_equal(got[0, :7], [127.0, 0.0, 0.0, 1.0, -1.0, 2.0, 3.0])
+
+
+def test_iq4_xs_integer_dot_without_vnni_matches_float64(rng):
+    """The IQ4_XS integer dot's portable loop (CPUs without VNNI; this one may take the vector path in matvec):
+    rows against float64 of gguf's weights times the activations their Q8_K codes stand for."""
+    for k in (256, 2048):
+        w = random_block_bytes(rng, "IQ4_XS", 3, k)
+        w64 = reference_weights(w, "IQ4_XS")
+        xq, xd, xs16 = quant_int.q8_activations(rng.standard_normal(k).astype(np.float32), 256)
+        x64 = xq.astype(np.float64) * np.repeat(xd.astype(np.float64), 256)
+        got = np.array([quant_int.idot_iq4_xs_loop(w[r], xq, xd, xs16) for r in range(3)], np.float32)
+        assert_product_close(got, w64, x64)
