@@ -72,6 +72,7 @@ _SCALE_FIELDS: dict[int, tuple[tuple[int, float], ...]] = {
     int(Q.Q2_K): ((80, 8e-4), (82, 4e-4)),  # d, dmin after scales and codes
     int(Q.IQ2_XS): ((0, 8e-4),),  # d; then 9-bit grid indices + 7-bit sign indices (all valid) and scales
     int(Q.IQ4_XS): ((0, 1e-4),),  # d; then scales_h, scales_l and 4-bit level codes random
+    int(Q.IQ4_NL): ((0, 1e-4),),  # d per 32 values; then 4-bit level codes random
 }
 _POOL_ROWS = 512  # rows of 2048 quantized once; tensors are filled with blocks drawn from them
 

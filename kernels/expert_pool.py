@@ -307,7 +307,7 @@ def swiglu_experts(gate: np.ndarray, gate_type: int, up: np.ndarray, up_type: in
     if quantized_activations:
         if not has_int_pool(gate_type, up_type, down_type):
             raise ValueError("the integer expert pool needs gate and up of one type and integer dots for "
-                             "gate/up and down (Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, Q2_K, IQ2_XS, IQ4_XS, Q2_0)")
+                             "gate/up and down (Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, Q2_K, IQ2_XS, IQ4_NL, IQ4_XS, Q2_0)")
         _swiglu_experts_int(int(gate_type), gate, int(up_type), up, int(down_type), down, np.ascontiguousarray(x),
                             _format(gate_type).act_block, _format(down_type).act_block, ids, weights, out,
                             numba.get_num_threads())

@@ -15,10 +15,10 @@ import numba
 import numpy as np
 
 from .ggml_blocks import f16, q3_scale, round_to_half, scale_min_k4, u16
-from .simd import (HAS_AVX512BW, HAS_F16C, HAS_GFNI, HAS_VNNI, IQ4_LEVELS, fdot_iq4_xs_blocks, fdot_q2_0_blocks,
-                   fdot_q2_k_blocks, fdot_q3_k_blocks, fdot_q4_k_blocks, fdot_q5_k_blocks, fdot_q6_k_blocks,
-                   fdot_q8_0_octets, fdot_q8_0_pairs, idot_q2_0_block, idot_q2_k_block, idot_q4_k_block, idot_q6_half,
-                   idot_s8_32)
+from .simd import (HAS_AVX512BW, HAS_F16C, HAS_GFNI, HAS_VNNI, IQ4_LEVELS, fdot_iq4_nl_pairs, fdot_iq4_xs_blocks,
+                   fdot_q2_0_blocks, fdot_q2_k_blocks, fdot_q3_k_blocks, fdot_q4_k_blocks, fdot_q5_k_blocks,
+                   fdot_q6_k_blocks, fdot_q8_0_octets, fdot_q8_0_pairs, idot_q2_0_block, idot_q2_k_block,
+                   idot_q4_k_block, idot_q6_half, idot_s8_32)
 
 _FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 
@@ -239,6 +239,31 @@ def idot_iq4_xs(src, xq, xd, xs16):
     if HAS_VNNI and HAS_F16C:
         return fdot_iq4_xs_blocks(src, xq, xd, xq.shape[0] // 256)
     return idot_iq4_xs_loop(src, xq, xd, xs16)
+
+
+@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def _iq4_nl_block(src, o, xq, y):
+    """One IQ4_NL block (18 bytes at src[o]: fp16 d, then byte j's low nibble value j, its high nibble value
+    j + 16) times the int8 activation codes xq[y:y + 32]: the integer sum of levels times codes."""
+    s = 0
+    for j in range(16):
+        q = np.int32(src[o + 2 + j])
+        s += _IQ4_LEVELS[q & 15] * np.int32(xq[y + j]) + _IQ4_LEVELS[q >> 4] * np.int32(xq[y + j + 16])
+    return s
+
+
+@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def idot_iq4_nl(src, xq, xd, xs16):
+    """One IQ4_NL row times Q8_0 activations: pairs of blocks by fdot_iq4_nl_pairs (VNNI), then the rest one by
+    one, d times xd times each block's integer sum (ggml's vec_dot_iq4_nl_q8_0)."""
+    acc = np.float32(0.0)
+    first = 0
+    if HAS_VNNI and HAS_F16C:
+        first = xq.shape[0] // 64 * 2
+        acc = fdot_iq4_nl_pairs(src, xq, xd, first // 2)
+    for b in range(first, xq.shape[0] // 32):
+        acc += f16(src, 18 * b) * xd[b] * np.float32(_iq4_nl_block(src, 18 * b, xq, 32 * b))
+    return acc
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)

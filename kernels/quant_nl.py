@@ -19,7 +19,7 @@ import numpy as np
 
 from .ggml_blocks import f16, u16
 from .quant import register_type
-from .simd import IQ4_LEVELS, fdot_iq4_xs_row
+from .simd import HAS_AVX512BW, IQ4_LEVELS, fdot_iq4_nl_row, fdot_iq4_xs_row
 
 IQ4_NL, IQ4_XS, MXFP4 = 20, 23, 39
 
@@ -64,6 +64,25 @@ def dequant_iq4_xs(src, dst):
 def dot_iq4_xs(src, x, xsum32):
     """One IQ4_XS row times float32 x, straight from the blocks (simd.fdot_iq4_xs_row)."""
     return fdot_iq4_xs_row(src, x, x.shape[0] // _QK_K)
+
+
+@numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
+def dot_iq4_nl(src, x, xsum32):
+    """One IQ4_NL row times float32 x: pairs of blocks straight from the bytes (simd.fdot_iq4_nl_row, AVX-512BW),
+    the rest block by block."""
+    acc = np.float32(0.0)
+    first = 0
+    if HAS_AVX512BW:
+        first = x.shape[0] // 64 * 2
+        acc = fdot_iq4_nl_row(src, x, first // 2)
+    for b in range(first, x.shape[0] // _QK):
+        o, y = b * _IQ4_NL_BYTES, b * _QK
+        s = np.float32(0.0)
+        for j in range(16):
+            q = src[o + 2 + j]
+            s += KVALUES_IQ4NL[q & 0xF] * x[y + j] + KVALUES_IQ4NL[q >> 4] * x[y + j + 16]
+        acc += f16(src, o) * s
+    return acc
 
 
 @numba.njit(nogil=True, inline="always")

@@ -184,6 +184,18 @@ def _elem(context, builder, ary_ty, ary, i):
     return builder.load(builder.gep(_data(context, builder, ary_ty, ary), [i]))
 
 
+def _pair_scales16(context, builder, src_ty, src, o, stride, xd_ty, xd, p):
+    """The float scales of a pair p of 32-value blocks (fp16 d at src[o] and src[o + stride]) times their
+    activation scales xd[2 p], xd[2 p + 1], as 16 lanes: eight for each block (its vpdpbusd lanes)."""
+    f32 = ir.FloatType()
+    d2 = ir.Constant(ir.VectorType(f32, 2), ir.Undefined)
+    for h in range(2):
+        d2 = builder.insert_element(d2, _half_at(context, builder, src_ty, src, _at(builder, o, stride * h)),
+                                    ir.Constant(_I32, h))
+    xd2 = _load_vec(context, builder, xd_ty, xd, builder.mul(p, ir.Constant(p.type, 2)), f32, 2)
+    return _shuffle(builder, builder.fmul(d2, xd2), [i // 8 for i in range(16)])
+
+
 @intrinsic
 def fdot_q8_0_pairs(typingctx, src, x, xd, pairs):
     """sum over blocks b < 2 pairs of a Q8_0 row (34-byte blocks: fp16 d, 32 int8) of d_b * xd[b] * (codes_b .
@@ -195,7 +207,6 @@ def fdot_q8_0_pairs(typingctx, src, x, xd, pairs):
 
     def codegen(context, builder, sig, args):
         src_ty, src_v, x_ty, x_v, xd_ty, xd_v = sig.args[0], args[0], sig.args[1], args[1], sig.args[2], args[2]
-        f32 = ir.FloatType()
         v16i, v64 = ir.VectorType(_I32, 16), ir.VectorType(_I8, 64)
         zero = ir.Constant(v64, [0] * 64)
 
@@ -213,12 +224,7 @@ def fdot_q8_0_pairs(typingctx, src, x, xd, pairs):
                                builder.bitcast(sx, v16i), True)
             else:
                 isum = _pmaddwd(builder, _pmaddubsw(builder, aw, sx), _vec_const(16, [1] * 32))
-            d2 = ir.Constant(ir.VectorType(f32, 2), ir.Undefined)
-            for h in range(2):
-                d2 = builder.insert_element(d2, _half_at(context, builder, src_ty, src_v, _at(builder, o, 34 * h)),
-                                            ir.Constant(_I32, h))
-            xd2 = _load_vec(context, builder, xd_ty, xd_v, builder.mul(p, ir.Constant(p.type, 2)), f32, 2)
-            return [(isum, _shuffle(builder, builder.fmul(d2, xd2), [h // 8 for h in range(16)]))]
+            return [(isum, _pair_scales16(context, builder, src_ty, src_v, o, 34, xd_ty, xd_v, p))]
         return _float_lanes_row(context, builder, args[3], terms)
     return types.float32(src, x, xd, pairs), codegen
 
@@ -1666,6 +1672,77 @@ def fdot_iq4_xs_row(typingctx, src, x, blocks):
             return [(lanes, ir.Constant(f32, 1.0))]
         return _float_lanes_row(context, builder, args[2], terms)
     return types.float32(src, x, blocks), codegen
+
+
+def _iq4_pair_levels(context, builder, src_ty, src, o, table):
+    """The 64 codes of two IQ4_NL blocks (18 bytes each at src[o]: fp16 d, 16 bytes whose low nibbles are values
+    0-15 and high nibbles values 16-31) through a 16-byte table by vpshufb, in value order, and the mask of the
+    codes below 8 (the negative levels): the two blocks' bytes spread as [q0, q0, q1, q1], the upper copy of each
+    shifted down by a word shift."""
+    v64, w32 = ir.VectorType(_I8, 64), ir.VectorType(ir.IntType(16), 32)
+    q0 = _load(context, builder, src_ty, src, _at(builder, o, 2), 16)
+    q1 = _load(context, builder, src_ty, src, _at(builder, o, 20), 16)
+    spread = builder.shuffle_vector(q0, q1, _vec_const(32, [16 * (c // 2) + i for c in range(4) for i in range(16)]))
+    shifted = builder.lshr(builder.bitcast(spread, w32), ir.Constant(w32, [4 * ((w // 8) % 2) for w in range(32)]))
+    codes = builder.and_(builder.bitcast(shifted, v64), _vec_const(8, [15] * 64))
+    return (_x86(builder, "llvm.x86.avx512.pshuf.b.512", v64, [_vec_const(8, list(table) * 4), codes]),
+            builder.icmp_unsigned("<", codes, _vec_const(8, [8] * 64)))
+
+
+@intrinsic
+def fdot_iq4_nl_pairs(typingctx, src, xq, xd, pairs):
+    """sum over blocks b < 2 pairs of an IQ4_NL row of d_b xd[b] (levels_b . x_b), Q8_0 activation codes xq
+    (VNNI): a pair's 64 levels' magnitudes and signs by _iq4_pair_levels, x negated under the signs, one vpdpbusd
+    (lanes 0-7 block 2 p, 8-15 block 2 p + 1, exact), float lanes scaled per block (_float_lanes_row)."""
+    if not (HAS_VNNI and _byte_array(src) and _byte_array(xq) and _float_array(xd)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        src_ty, src_v, xq_ty, xq_v, xd_ty, xd_v = sig.args[0], args[0], sig.args[1], args[1], sig.args[2], args[2]
+        v64, v16 = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16)
+
+        def terms(p):
+            o = builder.mul(p, ir.Constant(p.type, 36))
+            mag, neg = _iq4_pair_levels(context, builder, src_ty, src_v, o, [abs(v) for v in IQ4_LEVELS])
+            x = _load(context, builder, xq_ty, xq_v, builder.mul(p, ir.Constant(p.type, 64)), 64)
+            sx = builder.select(neg, builder.sub(ir.Constant(v64, [0] * 64), x), x)
+            lanes = _dpbusd(builder, ir.Constant(v16, [0] * 16), builder.bitcast(mag, v16), builder.bitcast(sx, v16),
+                            True)
+            return [(lanes, _pair_scales16(context, builder, src_ty, src_v, o, 18, xd_ty, xd_v, p))]
+        return _float_lanes_row(context, builder, args[3], terms)
+    return types.float32(src, xq, xd, pairs), codegen
+
+
+@intrinsic
+def fdot_iq4_nl_row(typingctx, src, x, pairs):
+    """sum over blocks b < 2 pairs of an IQ4_NL row times float32 x of d_b (levels_b . x_b) (AVX-512BW): a pair's
+    64 levels by _iq4_pair_levels (signed), widened to float 16 at a time and multiplied by x, each block's 32
+    products scaled once by its d; float lanes kept across the row (_float_lanes_row)."""
+    if not (HAS_AVX512BW and _byte_array(src) and _float_array(x)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        src_ty, src_v, x_ty, x_v = sig.args[0], args[0], sig.args[1], args[1]
+        f32 = ir.FloatType()
+        v16i, v16f = ir.VectorType(_I32, 16), ir.VectorType(f32, 16)
+
+        def terms(p):
+            o = builder.mul(p, ir.Constant(p.type, 36))
+            y = builder.mul(p, ir.Constant(p.type, 64))
+            levels, _ = _iq4_pair_levels(context, builder, src_ty, src_v, o, IQ4_LEVELS)
+            out = []
+            for h in range(2):
+                total = None
+                for c in range(2):
+                    w = builder.sitofp(builder.sext(_shuffle(builder, levels, range(32 * h + 16 * c, 32 * h + 16 * c
+                                                                                    + 16)), v16i), v16f)
+                    xv = _load_vec(context, builder, x_ty, x_v, _at(builder, y, 32 * h + 16 * c), f32, 16)
+                    part = builder.fmul(w, xv, flags=_FL)
+                    total = part if total is None else builder.fadd(total, part, flags=_FL)
+                out.append((total, _half_at(context, builder, src_ty, src_v, _at(builder, o, 18 * h))))
+            return out
+        return _float_lanes_row(context, builder, args[2], terms)
+    return types.float32(src, x, pairs), codegen
 
 
 @intrinsic
