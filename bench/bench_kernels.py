@@ -33,7 +33,7 @@ from strata_async.kernels.quant_legacy import Q2_0
 from strata_async.kernels.simd import fdot_f32_64, prefetch_l2
 
 RESULTS = Path(__file__).resolve().parent / "results"
-TYPES = ("Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "IQ2_XS", "IQ4_NL", "IQ4_XS", "Q2_0")
+TYPES = ("Q8_0", "Q5_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "IQ2_XS", "IQ4_NL", "IQ4_XS", "Q2_0")
 
 
 @numba.njit(parallel=True, nogil=True, fastmath=True)

@@ -23,7 +23,8 @@ from .activations import swiglu_block
 from .grouped_codes import down_codes, gate_up_codes
 from .int_matmul import TokenCodes, quantize_tokens, use_codes
 from .quant import _check_weights, _format, activation_block, quantize_activations
-from .quant_dispatch import ROW_TASK, _FASTMATH, dequant_row, float_dots, has_fused_dot, has_int_dot, int_dots
+from .quant_dispatch import (INT_DOT_TYPES, ROW_TASK, _FASTMATH, dequant_row, float_dots, has_fused_dot, has_int_dot,
+                             int_dots)
 from .quant_dot import block_sums32
 from .quant_int import q8_activations, quantize_q8_sums
 from .small_matmul import matmul_nt_regs
@@ -306,8 +307,9 @@ def swiglu_experts(gate: np.ndarray, gate_type: int, up: np.ndarray, up_type: in
         raise ValueError(f"ids must be {weights.shape[0]} expert numbers below {n_experts}, got {ids}")
     if quantized_activations:
         if not has_int_pool(gate_type, up_type, down_type):
-            raise ValueError("the integer expert pool needs gate and up of one type and integer dots for "
-                             "gate/up and down (Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, Q2_K, IQ2_XS, IQ4_NL, IQ4_XS, Q2_0)")
+            names = ", ".join(sorted(_format(t).name for t in INT_DOT_TYPES))
+            raise ValueError(f"the integer expert pool needs gate and up of one type and integer dots for gate/up "
+                             f"and down ({names})")
         _swiglu_experts_int(int(gate_type), gate, int(up_type), up, int(down_type), down, np.ascontiguousarray(x),
                             _format(gate_type).act_block, _format(down_type).act_block, ids, weights, out,
                             numba.get_num_threads())

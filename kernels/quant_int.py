@@ -14,11 +14,11 @@ float32 rounding (tests compare with float64), so this is the fast path of ``qua
 import numba
 import numpy as np
 
-from .ggml_blocks import f16, q3_scale, round_to_half, scale_min_k4, u16
+from .ggml_blocks import f16, q3_scale, round_to_half, scale_min_k4, u16, u32
 from .simd import (HAS_AVX512BW, HAS_F16C, HAS_GFNI, HAS_VNNI, IQ4_LEVELS, fdot_iq4_nl_pairs, fdot_iq4_xs_blocks,
-                   fdot_q2_0_blocks, fdot_q2_k_blocks, fdot_q3_k_blocks, fdot_q4_k_blocks, fdot_q5_k_blocks,
-                   fdot_q6_k_blocks, fdot_q8_0_octets, fdot_q8_0_pairs, idot_q2_0_block, idot_q2_k_block,
-                   idot_q4_k_block, idot_q6_half, idot_s8_32)
+                   fdot_q2_0_blocks, fdot_q2_k_blocks, fdot_q3_k_blocks, fdot_q4_k_blocks, fdot_q5_0_pairs,
+                   fdot_q5_k_blocks, fdot_q6_k_blocks, fdot_q8_0_octets, fdot_q8_0_pairs, idot_q2_0_block,
+                   idot_q2_k_block, idot_q4_k_block, idot_q6_half, idot_s8_32)
 
 _FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 
@@ -263,6 +263,33 @@ def idot_iq4_nl(src, xq, xd, xs16):
         acc = fdot_iq4_nl_pairs(src, xq, xd, first // 2)
     for b in range(first, xq.shape[0] // 32):
         acc += f16(src, 18 * b) * xd[b] * np.float32(_iq4_nl_block(src, 18 * b, xq, 32 * b))
+    return acc
+
+
+@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def _q5_0_block(src, o, xq, y):
+    """One Q5_0 block (22 bytes at src[o]: fp16 d, qh with value j's fifth bit at bit j, then byte j's low nibble
+    value j and high nibble value j + 16) times the int8 activation codes xq[y:y + 32]: sum (code - 16) x."""
+    qh = np.int64(u32(src, o + 2))
+    s = 0
+    for j in range(16):
+        q = np.int64(src[o + 6 + j])
+        s += (((q & 15) | (((qh >> j) & 1) << 4)) - 16) * np.int64(xq[y + j])
+        s += (((q >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16) * np.int64(xq[y + j + 16])
+    return s
+
+
+@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def idot_q5_0(src, xq, xd, xs16):
+    """One Q5_0 row times Q8_0 activations: pairs of blocks by fdot_q5_0_pairs (VNNI), then the rest one by one
+    (ggml's vec_dot_q5_0_q8_0)."""
+    acc = np.float32(0.0)
+    first = 0
+    if HAS_VNNI and HAS_F16C:
+        first = xq.shape[0] // 64 * 2
+        acc = fdot_q5_0_pairs(src, xq, xd, first // 2)
+    for b in range(first, xq.shape[0] // 32):
+        acc += f16(src, 22 * b) * xd[b] * np.float32(_q5_0_block(src, 22 * b, xq, 32 * b))
     return acc
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from .ggml_blocks import f16, round_to_half, u32
 from .quant import register_type
-from .simd import fdot_q2_0_row
+from .simd import HAS_AVX512BW, fdot_q2_0_row, fdot_q5_0_row
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q2_0 = 2, 3, 6, 7, 42
 
@@ -94,6 +94,27 @@ def dequant_q2_0(src, dst):
             q = np.int32(src[o + 2 + i])
             for s in range(4):
                 dst[y + 4 * i + s] = np.float32(((q >> (2 * s)) & 3) - 1) * d
+
+
+@numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
+def dot_q5_0(src, x, xsum32):
+    """One Q5_0 row times float32 x: pairs of blocks straight from the bytes (simd.fdot_q5_0_row, AVX-512BW), the
+    rest block by block."""
+    acc = np.float32(0.0)
+    first = 0
+    if HAS_AVX512BW:
+        first = x.shape[0] // 64 * 2
+        acc = fdot_q5_0_row(src, x, first // 2)
+    for b in range(first, x.shape[0] // _QK):
+        o, y = b * _Q5_0_BYTES, b * _QK
+        qh = np.int64(u32(src, o + 2))
+        s = np.float32(0.0)
+        for j in range(16):
+            q = np.int64(src[o + 6 + j])
+            s += np.float32(((q & 0xF) | (((qh >> j) & 1) << 4)) - 16) * x[y + j]
+            s += np.float32(((q >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16) * x[y + j + 16]
+        acc += f16(src, o) * s
+    return acc
 
 
 @numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})

@@ -1674,75 +1674,112 @@ def fdot_iq4_xs_row(typingctx, src, x, blocks):
     return types.float32(src, x, blocks), codegen
 
 
-def _iq4_pair_levels(context, builder, src_ty, src, o, table):
-    """The 64 codes of two IQ4_NL blocks (18 bytes each at src[o]: fp16 d, 16 bytes whose low nibbles are values
-    0-15 and high nibbles values 16-31) through a 16-byte table by vpshufb, in value order, and the mask of the
-    codes below 8 (the negative levels): the two blocks' bytes spread as [q0, q0, q1, q1], the upper copy of each
-    shifted down by a word shift."""
+def _pair_nibbles(context, builder, src_ty, src, o, first, stride):
+    """The 64 nibbles of two 32-value blocks whose 16 code bytes lie at src[o + first] and src[o + first + stride]
+    (byte j's low nibble is value j, its high nibble value j + 16: IQ4_NL, Q5_0) in value order, as <64 x u8>: the
+    bytes spread as [q0, q0, q1, q1], the upper copy of each shifted down by a word shift."""
     v64, w32 = ir.VectorType(_I8, 64), ir.VectorType(ir.IntType(16), 32)
-    q0 = _load(context, builder, src_ty, src, _at(builder, o, 2), 16)
-    q1 = _load(context, builder, src_ty, src, _at(builder, o, 20), 16)
+    q0 = _load(context, builder, src_ty, src, _at(builder, o, first), 16)
+    q1 = _load(context, builder, src_ty, src, _at(builder, o, first + stride), 16)
     spread = builder.shuffle_vector(q0, q1, _vec_const(32, [16 * (c // 2) + i for c in range(4) for i in range(16)]))
     shifted = builder.lshr(builder.bitcast(spread, w32), ir.Constant(w32, [4 * ((w // 8) % 2) for w in range(32)]))
-    codes = builder.and_(builder.bitcast(shifted, v64), _vec_const(8, [15] * 64))
-    return (_x86(builder, "llvm.x86.avx512.pshuf.b.512", v64, [_vec_const(8, list(table) * 4), codes]),
-            builder.icmp_unsigned("<", codes, _vec_const(8, [8] * 64)))
+    return builder.and_(builder.bitcast(shifted, v64), _vec_const(8, [15] * 64))
 
 
-@intrinsic
-def fdot_iq4_nl_pairs(typingctx, src, xq, xd, pairs):
-    """sum over blocks b < 2 pairs of an IQ4_NL row of d_b xd[b] (levels_b . x_b), Q8_0 activation codes xq
-    (VNNI): a pair's 64 levels' magnitudes and signs by _iq4_pair_levels, x negated under the signs, one vpdpbusd
-    (lanes 0-7 block 2 p, 8-15 block 2 p + 1, exact), float lanes scaled per block (_float_lanes_row)."""
-    if not (HAS_VNNI and _byte_array(src) and _byte_array(xq) and _float_array(xd)):
-        return None
+def _iq4_nl_pair_values(context, builder, src_ty, src, o):
+    """A pair of IQ4_NL blocks' 64 values (levels, <64 x i8>) at src[o] (18 bytes each: fp16 d, 16 code bytes), in
+    value order: the nibbles through the levels by vpshufb."""
+    codes = _pair_nibbles(context, builder, src_ty, src, o, 2, 18)
+    return _x86(builder, "llvm.x86.avx512.pshuf.b.512", ir.VectorType(_I8, 64),
+                [_vec_const(8, list(IQ4_LEVELS) * 4), codes])
 
+
+def _q5_0_pair_values(context, builder, src_ty, src, o):
+    """A pair of Q5_0 blocks' 64 values (code - 16, <64 x i8>) at src[o] (22 bytes each: fp16 d, 32 fifth bits qh,
+    16 code bytes), in value order: bit j of a block's qh is value j's fifth bit, so the two blocks' qh words are
+    one 64-bit mask ORing 16 onto the nibbles."""
+    codes = _pair_nibbles(context, builder, src_ty, src, o, 6, 22)
+    i64 = ir.IntType(64)
+    qh = [builder.zext(builder.load(_pointer(context, builder, src_ty, src, _at(builder, o, 2 + 22 * h), _I32),
+                                    align=1), i64) for h in range(2)]
+    bits = builder.bitcast(builder.or_(qh[0], builder.shl(qh[1], ir.Constant(i64, 32))),
+                           ir.VectorType(ir.IntType(1), 64))
+    fifth = builder.select(bits, _vec_const(8, [16] * 64), _vec_const(8, [0] * 64))
+    return builder.sub(builder.or_(codes, fifth), _vec_const(8, [16] * 64))
+
+
+def _pair_int_codegen(size, values):
+    """The codegen of an integer row dot over pairs of 32-value blocks of `size` bytes (fp16 d first) with Q8_0
+    activation codes (VNNI): values(context, builder, src_ty, src, o) gives a pair's 64 signed values in value
+    order; their magnitudes times x with the values' signs moved onto x, one vpdpbusd (lanes 0-7 block 2 p, 8-15
+    block 2 p + 1, exact), float lanes scaled per block by d xd (_pair_scales16, _float_lanes_row)."""
     def codegen(context, builder, sig, args):
         src_ty, src_v, xq_ty, xq_v, xd_ty, xd_v = sig.args[0], args[0], sig.args[1], args[1], sig.args[2], args[2]
         v64, v16 = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16)
+        zero = ir.Constant(v64, [0] * 64)
 
         def terms(p):
-            o = builder.mul(p, ir.Constant(p.type, 36))
-            mag, neg = _iq4_pair_levels(context, builder, src_ty, src_v, o, [abs(v) for v in IQ4_LEVELS])
+            o = builder.mul(p, ir.Constant(p.type, 2 * size))
+            w = values(context, builder, src_ty, src_v, o)
+            neg = builder.icmp_signed("<", w, zero)
             x = _load(context, builder, xq_ty, xq_v, builder.mul(p, ir.Constant(p.type, 64)), 64)
-            sx = builder.select(neg, builder.sub(ir.Constant(v64, [0] * 64), x), x)
+            mag, sx = builder.select(neg, builder.sub(zero, w), w), builder.select(neg, builder.sub(zero, x), x)
             lanes = _dpbusd(builder, ir.Constant(v16, [0] * 16), builder.bitcast(mag, v16), builder.bitcast(sx, v16),
                             True)
-            return [(lanes, _pair_scales16(context, builder, src_ty, src_v, o, 18, xd_ty, xd_v, p))]
+            return [(lanes, _pair_scales16(context, builder, src_ty, src_v, o, size, xd_ty, xd_v, p))]
         return _float_lanes_row(context, builder, args[3], terms)
-    return types.float32(src, xq, xd, pairs), codegen
+    return codegen
 
 
-@intrinsic
-def fdot_iq4_nl_row(typingctx, src, x, pairs):
-    """sum over blocks b < 2 pairs of an IQ4_NL row times float32 x of d_b (levels_b . x_b) (AVX-512BW): a pair's
-    64 levels by _iq4_pair_levels (signed), widened to float 16 at a time and multiplied by x, each block's 32
+def _pair_float_codegen(size, values):
+    """The codegen of a float row dot over pairs of 32-value blocks of `size` bytes (fp16 d first), AVX-512BW:
+    values(...) as in _pair_int_codegen, widened to float 16 at a time and multiplied by x, each block's 32
     products scaled once by its d; float lanes kept across the row (_float_lanes_row)."""
-    if not (HAS_AVX512BW and _byte_array(src) and _float_array(x)):
-        return None
-
     def codegen(context, builder, sig, args):
         src_ty, src_v, x_ty, x_v = sig.args[0], args[0], sig.args[1], args[1]
         f32 = ir.FloatType()
         v16i, v16f = ir.VectorType(_I32, 16), ir.VectorType(f32, 16)
 
         def terms(p):
-            o = builder.mul(p, ir.Constant(p.type, 36))
+            o = builder.mul(p, ir.Constant(p.type, 2 * size))
             y = builder.mul(p, ir.Constant(p.type, 64))
-            levels, _ = _iq4_pair_levels(context, builder, src_ty, src_v, o, IQ4_LEVELS)
+            w = values(context, builder, src_ty, src_v, o)
             out = []
             for h in range(2):
                 total = None
                 for c in range(2):
-                    w = builder.sitofp(builder.sext(_shuffle(builder, levels, range(32 * h + 16 * c, 32 * h + 16 * c
-                                                                                    + 16)), v16i), v16f)
+                    chunk = _shuffle(builder, w, range(32 * h + 16 * c, 32 * h + 16 * c + 16))
                     xv = _load_vec(context, builder, x_ty, x_v, _at(builder, y, 32 * h + 16 * c), f32, 16)
-                    part = builder.fmul(w, xv, flags=_FL)
+                    part = builder.fmul(builder.sitofp(builder.sext(chunk, v16i), v16f), xv, flags=_FL)
                     total = part if total is None else builder.fadd(total, part, flags=_FL)
-                out.append((total, _half_at(context, builder, src_ty, src_v, _at(builder, o, 18 * h))))
+                out.append((total, _half_at(context, builder, src_ty, src_v, _at(builder, o, size * h))))
             return out
         return _float_lanes_row(context, builder, args[2], terms)
-    return types.float32(src, x, pairs), codegen
+    return codegen
+
+
+def _pair_dots(size, values, name):
+    """The integer (Q8_0 activation codes, VNNI) and float (AVX-512BW) row dots over pairs of a 32-value format's
+    blocks of `size` bytes: (src, xq, xd, pairs) -> sum over blocks b < 2 pairs of d_b xd[b] (values_b . x_b), and
+    (src, x, pairs) -> sum of d_b (values_b . x_b) (_pair_int_codegen, _pair_float_codegen)."""
+    @intrinsic
+    def int_dot(typingctx, src, xq, xd, pairs):
+        if not (HAS_VNNI and _byte_array(src) and _byte_array(xq) and _float_array(xd)):
+            return None
+        return types.float32(src, xq, xd, pairs), _pair_int_codegen(size, values)
+
+    @intrinsic
+    def float_dot(typingctx, src, x, pairs):
+        if not (HAS_AVX512BW and _byte_array(src) and _float_array(x)):
+            return None
+        return types.float32(src, x, pairs), _pair_float_codegen(size, values)
+    int_dot.__name__, float_dot.__name__ = f"fdot_{name}_pairs", f"fdot_{name}_row"
+    return int_dot, float_dot
+
+
+# IQ4_NL: levels by vpshufb; Q5_0: codes - 16
+fdot_iq4_nl_pairs, fdot_iq4_nl_row = _pair_dots(18, _iq4_nl_pair_values, "iq4_nl")
+fdot_q5_0_pairs, fdot_q5_0_row = _pair_dots(22, _q5_0_pair_values, "q5_0")
 
 
 @intrinsic
