@@ -73,6 +73,7 @@ _SCALE_FIELDS: dict[int, tuple[tuple[int, float], ...]] = {
     int(Q.IQ2_XS): ((0, 8e-4),),  # d; then 9-bit grid indices + 7-bit sign indices (all valid) and scales
     int(Q.IQ4_XS): ((0, 1e-4),),  # d; then scales_h, scales_l and 4-bit level codes random
     int(Q.IQ4_NL): ((0, 1e-4),),  # d per 32 values; then 4-bit level codes random
+    int(Q.Q5_0): ((0, 6e-4),),  # d per 32 values; then fifth bits and 4-bit codes random
 }
 _POOL_ROWS = 512  # rows of 2048 quantized once; tensors are filled with blocks drawn from them
 
