@@ -211,6 +211,17 @@ def idot_q3_k(src, xq, xd, xs16):
 _IQ4_LEVELS = np.array(IQ4_LEVELS, np.int32)
 
 
+@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def _iq4_levels_dot(src, q0, xq, y):
+    """The 16 code bytes at src[q0] (byte j's low nibble value j, its high nibble value j + 16: an IQ4_NL block or
+    an IQ4_XS sub-block) through the levels, times the int8 activation codes xq[y:y + 32], in integers."""
+    s = 0
+    for j in range(16):
+        q = np.int32(src[q0 + j])
+        s += _IQ4_LEVELS[q & 15] * np.int32(xq[y + j]) + _IQ4_LEVELS[q >> 4] * np.int32(xq[y + j + 16])
+    return s
+
+
 @numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)
 def idot_iq4_xs_loop(src, xq, xd, xs16):
     """idot_iq4_xs without VNNI: per sub-block ib of 32 its scale ls - 32 (low nibble from scales_l, top bits from
@@ -223,12 +234,7 @@ def idot_iq4_xs_loop(src, xq, xd, xs16):
         isum = 0
         for ib in range(8):
             ls = ((np.int32(src[o + 4 + ib // 2]) >> (4 * (ib % 2))) & 15) | (((scales_h >> (2 * ib)) & 3) << 4)
-            s = 0
-            for i in range(16):
-                q = np.int32(src[o + 8 + 16 * ib + i])
-                y = 256 * b + 32 * ib + i
-                s += _IQ4_LEVELS[q & 15] * np.int32(xq[y]) + _IQ4_LEVELS[q >> 4] * np.int32(xq[y + 16])
-            isum += (ls - 32) * s
+            isum += (ls - 32) * _iq4_levels_dot(src, o + 8 + 16 * ib, xq, 256 * b + 32 * ib)
         acc += xd[b] * f16(src, o) * np.float32(isum)
     return acc
 
@@ -242,17 +248,6 @@ def idot_iq4_xs(src, xq, xd, xs16):
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
-def _iq4_nl_block(src, o, xq, y):
-    """One IQ4_NL block (18 bytes at src[o]: fp16 d, then byte j's low nibble value j, its high nibble value
-    j + 16) times the int8 activation codes xq[y:y + 32]: the integer sum of levels times codes."""
-    s = 0
-    for j in range(16):
-        q = np.int32(src[o + 2 + j])
-        s += _IQ4_LEVELS[q & 15] * np.int32(xq[y + j]) + _IQ4_LEVELS[q >> 4] * np.int32(xq[y + j + 16])
-    return s
-
-
-@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def idot_iq4_nl(src, xq, xd, xs16):
     """One IQ4_NL row times Q8_0 activations: pairs of blocks by fdot_iq4_nl_pairs (VNNI), then the rest one by
     one, d times xd times each block's integer sum (ggml's vec_dot_iq4_nl_q8_0)."""
@@ -262,7 +257,7 @@ def idot_iq4_nl(src, xq, xd, xs16):
         first = xq.shape[0] // 64 * 2
         acc = fdot_iq4_nl_pairs(src, xq, xd, first // 2)
     for b in range(first, xq.shape[0] // 32):
-        acc += f16(src, 18 * b) * xd[b] * np.float32(_iq4_nl_block(src, 18 * b, xq, 32 * b))
+        acc += f16(src, 18 * b) * xd[b] * np.float32(_iq4_levels_dot(src, 18 * b + 2, xq, 32 * b))
     return acc
 
 

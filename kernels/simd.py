@@ -332,7 +332,7 @@ def _q6_half_codes64(context, builder, ary_ty, ary, ql, qh):
     w32 = ir.VectorType(ir.IntType(16), 32)
     ql64 = _load(context, builder, ary_ty, ary, ql, 64)
     qh32 = _load(context, builder, ary_ty, ary, qh, 32)
-    qh64 = builder.bitcast(builder.shuffle_vector(qh32, qh32, _vec_const(32, list(range(32)) * 2)), w32)
+    qh64 = builder.bitcast(_twice32(builder, qh32), w32)
     low4, high2 = _vec_const(8, [15] * 64), _vec_const(8, [0x30] * 64)
     lows = builder.and_(ql64, low4)
     highs = builder.and_(builder.lshr(ql64, _vec_const(8, [4] * 64)), low4)
