@@ -33,7 +33,8 @@ from strata_async.kernels.quant_legacy import Q2_0
 from strata_async.kernels.simd import fdot_f32_64, prefetch_l2
 
 RESULTS = Path(__file__).resolve().parent / "results"
-TYPES = ("Q8_0", "Q5_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "IQ2_XS", "IQ4_NL", "IQ4_XS", "Q2_0")
+TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "IQ2_XS", "IQ4_NL", "IQ4_XS",
+         "MXFP4", "Q2_0")
 
 
 @numba.njit(parallel=True, nogil=True, fastmath=True)
@@ -111,7 +112,7 @@ def main() -> int:
     for name in TYPES:
         t = Q2_0 if name == "Q2_0" else int(getattr(Q, name))
         block_elems = quant.block_size(t)[0]
-        pool = _quantized_pool(t, rng)  # Q8_0, Q2_0: real quantizer output; the others: random valid blocks
+        pool = _quantized_pool(t, rng)  # real quantizer output where there is one (_quantized_pool), else random
         w = random_blocks(t, a.rows * a.k // block_elems, rng, pool=pool).reshape(a.rows, -1)
         n = a.rows * a.k
         for act_quant in (False, True):

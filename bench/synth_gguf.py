@@ -83,8 +83,8 @@ def _quantized_pool(ggml_type: int, rng: np.random.Generator) -> np.ndarray | No
     values = (rng.standard_normal((_POOL_ROWS, 2048)) / np.sqrt(2048)).astype(np.float32)
     if ggml_type == Q2_0:
         raw = np.frombuffer(quantize_q2_0(values), np.uint8)
-    elif ggml_type == Q.Q8_0:
-        raw = quantize(values, Q.Q8_0)
+    elif ggml_type in (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_1, Q.MXFP4):
+        raw = quantize(values, Q(ggml_type))
     else:
         return None
     return np.ascontiguousarray(raw).reshape(-1, TYPE_SIZES[ggml_type][1])

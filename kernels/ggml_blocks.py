@@ -73,6 +73,13 @@ f16 = load_f16 if HAS_F16C else _f16_bits
 
 
 @numba.njit(inline="always", nogil=True)
+def e8m0_half(e):
+    """2^(e - 128) as float32 for an e8m0 exponent byte e, exactly (e = 0 and 1 give float32 subnormals): MXFP4's
+    block scale, halved because its e2m1 values are held doubled, as integers."""
+    return f32_from_bits(np.uint32(0x00200000) << np.uint32(e) if e < 2 else np.uint32(e - 1) << np.uint32(23))
+
+
+@numba.njit(inline="always", nogil=True)
 def round_to_half(x):
     """float32 -> nearest fp16 value (ties to even), returned as float32: ggml's FP32_TO_FP16."""
     ax = abs(x)

@@ -15,13 +15,13 @@ from .quant_iq import (IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, deq
 from .quant_k import (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, dequant_q2_k, dequant_q3_k, dequant_q4_k, dequant_q5_k,
                       dequant_q6_k, dot_q2_k, dot_q3_k)
 from .quant_legacy import (Q2_0, Q4_0, Q4_1, Q5_0, Q5_1, dequant_q2_0, dequant_q4_0, dequant_q4_1, dequant_q5_0,
-                           dequant_q5_1, dot_q2_0, dot_q5_0)
+                           dequant_q5_1, dot_q2_0, dot_q4_0, dot_q4_1, dot_q5_0, dot_q5_1)
 from .quant_dot import block_sums32, dot_q4_k, dot_q5_k, dot_q6_k, dot_q8_0
-from .quant_int import (idot_iq4_nl, idot_iq4_xs, idot_q2_0, idot_q2_k, idot_q3_k, idot_q4_k, idot_q5_0, idot_q5_k,
-                        idot_q6_k, idot_q8_0, q8_activations)
+from .quant_int import (idot_iq4_nl, idot_iq4_xs, idot_mxfp4, idot_q2_0, idot_q2_k, idot_q3_k, idot_q4_0, idot_q4_1,
+                        idot_q4_k, idot_q5_0, idot_q5_1, idot_q5_k, idot_q6_k, idot_q8_0, q8_activations)
 from .simd import IS_INTEL, fdot_f32_64, prefetch, prefetch_l2
 from .quant_nl import (IQ4_NL, IQ4_XS, MXFP4, dequant_iq4_nl, dequant_iq4_xs, dequant_mxfp4, dot_iq4_nl,
-                       dot_iq4_xs)
+                       dot_iq4_xs, dot_mxfp4)
 from .quant_q8 import Q8_0, dequant_q8_0
 from .task_queue import claimed_runs, task_counter, worker_count
 
@@ -154,7 +154,8 @@ def has_fused_dot(t):
     """Types whose rows are dotted with the activations straight from the blocks (quant_dot, quant_iq,
     quant_k, quant_legacy), F32 rows (a router, say) straight from their bytes."""
     return (t == Q8_0 or t == Q3_K or t == Q4_K or t == Q5_K or t == Q6_K or t == IQ2_XS or t == IQ4_NL
-            or t == IQ4_XS or t == Q5_0 or t == Q2_K or t == Q2_0 or t == F32)
+            or t == IQ4_XS or t == MXFP4 or t == Q4_0 or t == Q4_1 or t == Q5_0 or t == Q5_1 or t == Q2_K
+            or t == Q2_0 or t == F32)
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
@@ -197,8 +198,16 @@ def float_dots(t, w, r0, r1, x, xsum32, scratch, out, o0):
         _fused_rows(dot_iq4_xs, w, r0, r1, x, xsum32, out, o0)
     elif t == IQ4_NL:
         _fused_rows(dot_iq4_nl, w, r0, r1, x, xsum32, out, o0)
+    elif t == MXFP4:
+        _fused_rows(dot_mxfp4, w, r0, r1, x, xsum32, out, o0)
+    elif t == Q4_0:
+        _fused_rows(dot_q4_0, w, r0, r1, x, xsum32, out, o0)
+    elif t == Q4_1:
+        _fused_rows(dot_q4_1, w, r0, r1, x, xsum32, out, o0)
     elif t == Q5_0:
         _fused_rows(dot_q5_0, w, r0, r1, x, xsum32, out, o0)
+    elif t == Q5_1:
+        _fused_rows(dot_q5_1, w, r0, r1, x, xsum32, out, o0)
     elif t == IQ2_XS:
         _fused_rows(dot_iq2_xs, w, r0, r1, x, xsum32, out, o0)
     elif t == Q2_K:
@@ -261,7 +270,8 @@ def matmul_rows(t, w, x, out):
 
 
 # Types with an integer dot product against ggml-quantized activations (int_dots' branches).
-INT_DOT_TYPES = frozenset({Q8_0, Q5_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ2_XS, IQ4_NL, IQ4_XS, Q2_K, Q2_0})
+INT_DOT_TYPES = frozenset({Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ2_XS, IQ4_NL, IQ4_XS, MXFP4, Q2_K,
+                           Q2_0})
 
 
 def has_int_dot(t: int) -> bool:
@@ -293,8 +303,16 @@ def int_dots(t, w, r0, r1, xq, xd, xs16, out, o0):
         _int_rows(idot_iq4_xs, w, r0, r1, xq, xd, xs16, out, o0)
     elif t == IQ4_NL:
         _int_rows(idot_iq4_nl, w, r0, r1, xq, xd, xs16, out, o0)
+    elif t == MXFP4:
+        _int_rows(idot_mxfp4, w, r0, r1, xq, xd, xs16, out, o0)
+    elif t == Q4_0:
+        _int_rows(idot_q4_0, w, r0, r1, xq, xd, xs16, out, o0)
+    elif t == Q4_1:
+        _int_rows(idot_q4_1, w, r0, r1, xq, xd, xs16, out, o0)
     elif t == Q5_0:
         _int_rows(idot_q5_0, w, r0, r1, xq, xd, xs16, out, o0)
+    elif t == Q5_1:
+        _int_rows(idot_q5_1, w, r0, r1, xq, xd, xs16, out, o0)
     elif t == IQ2_XS:
         _int_rows(idot_iq2_xs, w, r0, r1, xq, xd, xs16, out, o0)
     elif t == Q2_K:

@@ -14,9 +14,10 @@ float32 rounding (tests compare with float64), so this is the fast path of ``qua
 import numba
 import numpy as np
 
-from .ggml_blocks import f16, q3_scale, round_to_half, scale_min_k4, u16, u32
-from .simd import (HAS_AVX512BW, HAS_F16C, HAS_GFNI, HAS_VNNI, IQ4_LEVELS, fdot_iq4_nl_pairs, fdot_iq4_xs_blocks,
-                   fdot_q2_0_blocks, fdot_q2_k_blocks, fdot_q3_k_blocks, fdot_q4_k_blocks, fdot_q5_0_pairs,
+from .ggml_blocks import e8m0_half, f16, q3_scale, round_to_half, scale_min_k4, u16, u32
+from .simd import (FP4_LEVELS, HAS_AVX512BW, HAS_F16C, HAS_GFNI, HAS_VNNI, IQ4_LEVELS, fdot_iq4_nl_pairs,
+                   fdot_iq4_xs_blocks, fdot_mxfp4_pairs, fdot_q2_0_blocks, fdot_q2_k_blocks, fdot_q3_k_blocks,
+                   fdot_q4_0_pairs, fdot_q4_1_pairs, fdot_q4_k_blocks, fdot_q5_0_pairs, fdot_q5_1_pairs,
                    fdot_q5_k_blocks, fdot_q6_k_blocks, fdot_q8_0_octets, fdot_q8_0_pairs, idot_q2_0_block,
                    idot_q2_k_block, idot_q4_k_block, idot_q6_half, idot_s8_32)
 
@@ -208,17 +209,36 @@ def idot_q3_k(src, xq, xd, xs16):
     return idot_q3_k_loop(src, xq, xd, xs16)
 
 
+# Each 4-bit code's value as an integer: IQ4_NL's levels, MXFP4's doubled e2m1 values, Q4_0's code - 8, and
+# Q4_1's code (its value is d code + m)
 _IQ4_LEVELS = np.array(IQ4_LEVELS, np.int32)
+_FP4_LEVELS = np.array(FP4_LEVELS, np.int32)
+_Q4_0_LEVELS = np.arange(-8, 8, dtype=np.int32)
+_Q4_1_LEVELS = np.arange(16, dtype=np.int32)
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
-def _iq4_levels_dot(src, q0, xq, y):
-    """The 16 code bytes at src[q0] (byte j's low nibble value j, its high nibble value j + 16: an IQ4_NL block or
-    an IQ4_XS sub-block) through the levels, times the int8 activation codes xq[y:y + 32], in integers."""
+def _levels_dot(levels, src, q0, xq, y):
+    """The 16 code bytes at src[q0] (byte j's low nibble value j, its high nibble value j + 16: a 32-value block
+    or an IQ4_XS sub-block) through levels, times the int8 activation codes xq[y:y + 32], in integers."""
     s = 0
     for j in range(16):
         q = np.int32(src[q0 + j])
-        s += _IQ4_LEVELS[q & 15] * np.int32(xq[y + j]) + _IQ4_LEVELS[q >> 4] * np.int32(xq[y + j + 16])
+        s += levels[q & 15] * np.int32(xq[y + j]) + levels[q >> 4] * np.int32(xq[y + j + 16])
+    return s
+
+
+@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def _codes5_dot(src, qh, q0, xq, y, offset):
+    """A 5-bit-code block (the fifth bits a 32-bit word at src[qh], value j's at bit j; byte j at src[q0 + j] holds
+    value j's low four bits in its low nibble and value j + 16's in its high one: Q5_0, Q5_1) times the int8
+    activation codes xq[y:y + 32]: sum (code - offset) x, in integers."""
+    bits = np.int64(u32(src, qh))
+    s = 0
+    for j in range(16):
+        q = np.int64(src[q0 + j])
+        s += (((q & 15) | (((bits >> j) & 1) << 4)) - offset) * np.int64(xq[y + j])
+        s += (((q >> 4) | (((bits >> (j + 16)) & 1) << 4)) - offset) * np.int64(xq[y + j + 16])
     return s
 
 
@@ -234,7 +254,7 @@ def idot_iq4_xs_loop(src, xq, xd, xs16):
         isum = 0
         for ib in range(8):
             ls = ((np.int32(src[o + 4 + ib // 2]) >> (4 * (ib % 2))) & 15) | (((scales_h >> (2 * ib)) & 3) << 4)
-            isum += (ls - 32) * _iq4_levels_dot(src, o + 8 + 16 * ib, xq, 256 * b + 32 * ib)
+            isum += (ls - 32) * _levels_dot(_IQ4_LEVELS, src, o + 8 + 16 * ib, xq, 256 * b + 32 * ib)
         acc += xd[b] * f16(src, o) * np.float32(isum)
     return acc
 
@@ -247,45 +267,75 @@ def idot_iq4_xs(src, xq, xd, xs16):
     return idot_iq4_xs_loop(src, xq, xd, xs16)
 
 
-@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
-def idot_iq4_nl(src, xq, xd, xs16):
-    """One IQ4_NL row times Q8_0 activations: pairs of blocks by fdot_iq4_nl_pairs (VNNI), then the rest one by
-    one, d times xd times each block's integer sum (ggml's vec_dot_iq4_nl_q8_0)."""
-    acc = np.float32(0.0)
-    first = 0
-    if HAS_VNNI and HAS_F16C:
-        first = xq.shape[0] // 64 * 2
-        acc = fdot_iq4_nl_pairs(src, xq, xd, first // 2)
-    for b in range(first, xq.shape[0] // 32):
-        acc += f16(src, 18 * b) * xd[b] * np.float32(_iq4_levels_dot(src, 18 * b + 2, xq, 32 * b))
-    return acc
+def _pairs_then_blocks(pairs, block):
+    """An integer row dot (src, xq, xd, xs16) of a 32-value format with Q8_0 activations: pairs of blocks by
+    pairs(src, xq, xd, n_pairs) (simd._pair_dots' integer dot, VNNI), then the rest (an odd last block, or all of
+    them without VNNI) by block(src, b, xq, xd, xs16), block b's xd d (values . x) [+ xd m sum x]."""
+    @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+    def dot(src, xq, xd, xs16):
+        acc = np.float32(0.0)
+        first = 0
+        if HAS_VNNI and HAS_F16C:
+            first = xq.shape[0] // 64 * 2
+            acc = pairs(src, xq, xd, first // 2)
+        for b in range(first, xq.shape[0] // 32):
+            acc += block(src, b, xq, xd, xs16)
+        return acc
+    return dot
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
-def _q5_0_block(src, o, xq, y):
-    """One Q5_0 block (22 bytes at src[o]: fp16 d, qh with value j's fifth bit at bit j, then byte j's low nibble
-    value j and high nibble value j + 16) times the int8 activation codes xq[y:y + 32]: sum (code - 16) x."""
-    qh = np.int64(u32(src, o + 2))
-    s = 0
-    for j in range(16):
-        q = np.int64(src[o + 6 + j])
-        s += (((q & 15) | (((qh >> j) & 1) << 4)) - 16) * np.int64(xq[y + j])
-        s += (((q >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16) * np.int64(xq[y + j + 16])
-    return s
+def _iq4_nl_block(src, b, xq, xd, xs16):
+    """IQ4_NL block b (18 bytes: fp16 d, 16 code bytes) times Q8_0 activations (ggml's vec_dot_iq4_nl_q8_0)."""
+    return f16(src, 18 * b) * xd[b] * np.float32(_levels_dot(_IQ4_LEVELS, src, 18 * b + 2, xq, 32 * b))
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
-def idot_q5_0(src, xq, xd, xs16):
-    """One Q5_0 row times Q8_0 activations: pairs of blocks by fdot_q5_0_pairs (VNNI), then the rest one by one
-    (ggml's vec_dot_q5_0_q8_0)."""
-    acc = np.float32(0.0)
-    first = 0
-    if HAS_VNNI and HAS_F16C:
-        first = xq.shape[0] // 64 * 2
-        acc = fdot_q5_0_pairs(src, xq, xd, first // 2)
-    for b in range(first, xq.shape[0] // 32):
-        acc += f16(src, 22 * b) * xd[b] * np.float32(_q5_0_block(src, 22 * b, xq, 32 * b))
-    return acc
+def _mxfp4_block(src, b, xq, xd, xs16):
+    """MXFP4 block b (17 bytes: e8m0 exponent, 16 code bytes) times Q8_0 activations: the doubled e2m1 values and
+    the halved power-of-two scale (ggml's vec_dot_mxfp4_q8_0)."""
+    o = 17 * b
+    return e8m0_half(np.int64(src[o])) * xd[b] * np.float32(_levels_dot(_FP4_LEVELS, src, o + 1, xq, 32 * b))
+
+
+@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def _q4_0_block(src, b, xq, xd, xs16):
+    """Q4_0 block b (18 bytes: fp16 d, 16 code bytes; value d (code - 8)) times Q8_0 activations."""
+    return f16(src, 18 * b) * xd[b] * np.float32(_levels_dot(_Q4_0_LEVELS, src, 18 * b + 2, xq, 32 * b))
+
+
+@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def _q4_1_block(src, b, xq, xd, xs16):
+    """Q4_1 block b (20 bytes: fp16 d and m, 16 code bytes; value d code + m) times Q8_0 activations: xd (d codes . x
+    + m sum x), sum x from the codes' 16-sums (ggml's vec_dot_q4_1_q8_1, whose Q8_1 block carries that sum)."""
+    o = 20 * b
+    isum = np.float32(_levels_dot(_Q4_1_LEVELS, src, o + 4, xq, 32 * b))
+    return xd[b] * (f16(src, o) * isum + f16(src, o + 2) * np.float32(xs16[2 * b] + xs16[2 * b + 1]))
+
+
+@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def _q5_0_block(src, b, xq, xd, xs16):
+    """Q5_0 block b (22 bytes: fp16 d, fifth bits, 16 code bytes; value d (code - 16)) times Q8_0 activations."""
+    o = 22 * b
+    return f16(src, o) * xd[b] * np.float32(_codes5_dot(src, o + 2, o + 6, xq, 32 * b, 16))
+
+
+@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def _q5_1_block(src, b, xq, xd, xs16):
+    """Q5_1 block b (24 bytes: fp16 d and m, fifth bits, 16 code bytes; value d code + m) times Q8_0 activations,
+    the min as in _q4_1_block."""
+    o = 24 * b
+    isum = np.float32(_codes5_dot(src, o + 4, o + 8, xq, 32 * b, 0))
+    return xd[b] * (f16(src, o) * isum + f16(src, o + 2) * np.float32(xs16[2 * b] + xs16[2 * b + 1]))
+
+
+# One row of each 32-value type times Q8_0 activations
+idot_iq4_nl = _pairs_then_blocks(fdot_iq4_nl_pairs, _iq4_nl_block)
+idot_mxfp4 = _pairs_then_blocks(fdot_mxfp4_pairs, _mxfp4_block)
+idot_q4_0 = _pairs_then_blocks(fdot_q4_0_pairs, _q4_0_block)
+idot_q4_1 = _pairs_then_blocks(fdot_q4_1_pairs, _q4_1_block)
+idot_q5_0 = _pairs_then_blocks(fdot_q5_0_pairs, _q5_0_block)
+idot_q5_1 = _pairs_then_blocks(fdot_q5_1_pairs, _q5_1_block)
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)

@@ -19,7 +19,7 @@ import numpy as np
 
 from .ggml_blocks import f16, round_to_half, u32
 from .quant import register_type
-from .simd import HAS_AVX512BW, fdot_q2_0_row, fdot_q5_0_row
+from .simd import HAS_AVX512BW, fdot_q2_0_row, fdot_q4_0_row, fdot_q4_1_row, fdot_q5_0_row, fdot_q5_1_row
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q2_0 = 2, 3, 6, 7, 42
 
@@ -96,28 +96,86 @@ def dequant_q2_0(src, dst):
                 dst[y + 4 * i + s] = np.float32(((q >> (2 * s)) & 3) - 1) * d
 
 
-@numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
-def dot_q5_0(src, x, xsum32):
-    """One Q5_0 row times float32 x: pairs of blocks straight from the bytes (simd.fdot_q5_0_row, AVX-512BW), the
-    rest block by block."""
-    acc = np.float32(0.0)
-    first = 0
-    if HAS_AVX512BW:
-        first = x.shape[0] // 64 * 2
-        acc = fdot_q5_0_row(src, x, first // 2)
-    for b in range(first, x.shape[0] // _QK):
-        o, y = b * _Q5_0_BYTES, b * _QK
-        qh = np.int64(u32(src, o + 2))
-        s = np.float32(0.0)
-        for j in range(16):
-            q = np.int64(src[o + 6 + j])
-            s += np.float32(((q & 0xF) | (((qh >> j) & 1) << 4)) - 16) * x[y + j]
-            s += np.float32(((q >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16) * x[y + j + 16]
-        acc += f16(src, o) * s
-    return acc
+_DOT_FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 
 
-@numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
+@numba.njit(inline="always", nogil=True, fastmath=_DOT_FASTMATH)
+def _nibbles_fdot(src, q0, x, y, offset):
+    """The 16 code bytes at src[q0] (byte j's low nibble value j, its high nibble value j + 16) times float32
+    x[y:y + 32]: sum (code - offset) x."""
+    s = np.float32(0.0)
+    for j in range(16):
+        q = np.int32(src[q0 + j])
+        s += np.float32((q & 0xF) - offset) * x[y + j] + np.float32((q >> 4) - offset) * x[y + j + 16]
+    return s
+
+
+@numba.njit(inline="always", nogil=True, fastmath=_DOT_FASTMATH)
+def _codes5_fdot(src, qh, q0, x, y, offset):
+    """A 5-bit-code block (fifth bits the 32-bit word at src[qh], codes' low bits at src[q0], as in
+    _nibbles_fdot) times float32 x[y:y + 32]: sum (code - offset) x."""
+    bits = np.int64(u32(src, qh))
+    s = np.float32(0.0)
+    for j in range(16):
+        q = np.int64(src[q0 + j])
+        s += np.float32(((q & 0xF) | (((bits >> j) & 1) << 4)) - offset) * x[y + j]
+        s += np.float32(((q >> 4) | (((bits >> (j + 16)) & 1) << 4)) - offset) * x[y + j + 16]
+    return s
+
+
+def pairs_then_blocks(pairs, block):
+    """A float row dot (src, x, xsum32) of a 32-value format: pairs of blocks straight from the bytes by
+    pairs(src, x, xsum32, n_pairs) (simd._pair_dots' float dot, AVX-512BW), then the rest (an odd last block, or
+    all of them without AVX-512BW) by block(src, b, x, xsum32), block b's d (values . x) [+ m xsum32[b]]."""
+    @numba.njit(inline="always", nogil=True, fastmath=_DOT_FASTMATH)
+    def dot(src, x, xsum32):
+        acc = np.float32(0.0)
+        first = 0
+        if HAS_AVX512BW:
+            first = x.shape[0] // 64 * 2
+            acc = pairs(src, x, xsum32, first // 2)
+        for b in range(first, x.shape[0] // _QK):
+            acc += block(src, b, x, xsum32)
+        return acc
+    return dot
+
+
+@numba.njit(inline="always", nogil=True, fastmath=_DOT_FASTMATH)
+def _q4_0_block(src, b, x, xsum32):
+    """Q4_0 block b times float32 x: d sum (code - 8) x."""
+    o = b * _Q4_0_BYTES
+    return f16(src, o) * _nibbles_fdot(src, o + 2, x, b * _QK, 8)
+
+
+@numba.njit(inline="always", nogil=True, fastmath=_DOT_FASTMATH)
+def _q4_1_block(src, b, x, xsum32):
+    """Q4_1 block b times float32 x: d sum code x + m sum x."""
+    o = b * _Q4_1_BYTES
+    return f16(src, o) * _nibbles_fdot(src, o + 4, x, b * _QK, 0) + f16(src, o + 2) * xsum32[b]
+
+
+@numba.njit(inline="always", nogil=True, fastmath=_DOT_FASTMATH)
+def _q5_0_block(src, b, x, xsum32):
+    """Q5_0 block b times float32 x: d sum (code - 16) x."""
+    o = b * _Q5_0_BYTES
+    return f16(src, o) * _codes5_fdot(src, o + 2, o + 6, x, b * _QK, 16)
+
+
+@numba.njit(inline="always", nogil=True, fastmath=_DOT_FASTMATH)
+def _q5_1_block(src, b, x, xsum32):
+    """Q5_1 block b times float32 x: d sum code x + m sum x."""
+    o = b * _Q5_1_BYTES
+    return f16(src, o) * _codes5_fdot(src, o + 4, o + 8, x, b * _QK, 0) + f16(src, o + 2) * xsum32[b]
+
+
+# One row of each type times float32 x, straight from the blocks (Q4_1 and Q5_1 take m sum x from xsum32)
+dot_q4_0 = pairs_then_blocks(fdot_q4_0_row, _q4_0_block)
+dot_q4_1 = pairs_then_blocks(fdot_q4_1_row, _q4_1_block)
+dot_q5_0 = pairs_then_blocks(fdot_q5_0_row, _q5_0_block)
+dot_q5_1 = pairs_then_blocks(fdot_q5_1_row, _q5_1_block)
+
+
+@numba.njit(inline="always", nogil=True, fastmath=_DOT_FASTMATH)
 def dot_q2_0(src, x, xsum32):
     """One Q2_0 row times float32 x, straight from the blocks: per block d * sum (code - 1) x."""
     return fdot_q2_0_row(src, x, x.shape[0] // _QK2)

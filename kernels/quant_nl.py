@@ -17,14 +17,15 @@ Activation rounding: IQ4_NL and MXFP4 dot with Q8_0 activations (32 values), IQ4
 import numba
 import numpy as np
 
-from .ggml_blocks import f16, u16
+from .ggml_blocks import e8m0_half, f16, u16
 from .quant import register_type
-from .simd import HAS_AVX512BW, IQ4_LEVELS, fdot_iq4_nl_row, fdot_iq4_xs_row
+from .quant_legacy import pairs_then_blocks
+from .simd import FP4_LEVELS, IQ4_LEVELS, fdot_iq4_nl_row, fdot_iq4_xs_row, fdot_mxfp4_row
 
 IQ4_NL, IQ4_XS, MXFP4 = 20, 23, 39
 
 KVALUES_IQ4NL = np.array(IQ4_LEVELS, np.float32)
-KVALUES_FP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)  # e2m1, doubled
+KVALUES_FP4 = np.array(FP4_LEVELS, np.float32)  # e2m1, doubled
 
 _QK = 32
 _QK_K = 256
@@ -67,36 +68,40 @@ def dot_iq4_xs(src, x, xsum32):
 
 
 @numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
-def dot_iq4_nl(src, x, xsum32):
-    """One IQ4_NL row times float32 x: pairs of blocks straight from the bytes (simd.fdot_iq4_nl_row, AVX-512BW),
-    the rest block by block."""
-    acc = np.float32(0.0)
-    first = 0
-    if HAS_AVX512BW:
-        first = x.shape[0] // 64 * 2
-        acc = fdot_iq4_nl_row(src, x, first // 2)
-    for b in range(first, x.shape[0] // _QK):
-        o, y = b * _IQ4_NL_BYTES, b * _QK
-        s = np.float32(0.0)
-        for j in range(16):
-            q = src[o + 2 + j]
-            s += KVALUES_IQ4NL[q & 0xF] * x[y + j] + KVALUES_IQ4NL[q >> 4] * x[y + j + 16]
-        acc += f16(src, o) * s
-    return acc
+def _levels_fdot(levels, src, q0, x, y):
+    """The 16 code bytes at src[q0] (byte j's low nibble value j, its high nibble value j + 16) through levels,
+    times float32 x[y:y + 32]."""
+    s = np.float32(0.0)
+    for j in range(16):
+        q = src[q0 + j]
+        s += levels[q & 0xF] * x[y + j] + levels[q >> 4] * x[y + j + 16]
+    return s
 
 
-@numba.njit(nogil=True, inline="always")
-def _e8m0_half(e):
-    """2^(e - 128) as float32, exactly (e = 0 and 1 give float32 subnormals)."""
-    bits = np.uint32(0x00200000) << np.uint32(e) if e < 2 else np.uint32(e - 1) << np.uint32(23)
-    return np.array([bits], dtype=np.uint32).view(np.float32)[0]
+@numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
+def _iq4_nl_block(src, b, x, xsum32):
+    """IQ4_NL block b times float32 x: d sum level x."""
+    o = b * _IQ4_NL_BYTES
+    return f16(src, o) * _levels_fdot(KVALUES_IQ4NL, src, o + 2, x, b * _QK)
+
+
+@numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
+def _mxfp4_block(src, b, x, xsum32):
+    """MXFP4 block b times float32 x: the halved power-of-two scale times the doubled e2m1 values times x."""
+    o = b * _MXFP4_BYTES
+    return e8m0_half(np.int64(src[o])) * _levels_fdot(KVALUES_FP4, src, o + 1, x, b * _QK)
+
+
+# One row times float32 x: pairs of blocks straight from the bytes (simd.fdot_*_row), then block by block
+dot_iq4_nl = pairs_then_blocks(fdot_iq4_nl_row, _iq4_nl_block)
+dot_mxfp4 = pairs_then_blocks(fdot_mxfp4_row, _mxfp4_block)
 
 
 @numba.njit(nogil=True, cache=True, fastmath=False)
 def dequant_mxfp4(src, dst):
     for b in range(dst.shape[0] // _QK):
         o = b * _MXFP4_BYTES
-        _decode_nibbles(src, o + 1, _e8m0_half(np.int64(src[o])), KVALUES_FP4, dst, b * _QK)
+        _decode_nibbles(src, o + 1, e8m0_half(np.int64(src[o])), KVALUES_FP4, dst, b * _QK)
 
 
 register_type(IQ4_NL, "IQ4_NL", _QK, _IQ4_NL_BYTES, act_block=32)

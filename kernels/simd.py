@@ -184,13 +184,15 @@ def _elem(context, builder, ary_ty, ary, i):
     return builder.load(builder.gep(_data(context, builder, ary_ty, ary), [i]))
 
 
-def _pair_scales16(context, builder, src_ty, src, o, stride, xd_ty, xd, p):
-    """The float scales of a pair p of 32-value blocks (fp16 d at src[o] and src[o + stride]) times their
-    activation scales xd[2 p], xd[2 p + 1], as 16 lanes: eight for each block (its vpdpbusd lanes)."""
+def _pair_scales16(context, builder, src_ty, src, o, stride, xd_ty, xd, p, scale=None):
+    """The float scales of a pair p of 32-value blocks (fp16 d at src[o] and src[o + stride], or what
+    scale(context, builder, src_ty, src, offset) reads there) times their activation scales xd[2 p], xd[2 p + 1],
+    as 16 lanes: eight for each block (its vpdpbusd lanes)."""
     f32 = ir.FloatType()
+    scale = scale or _half_at
     d2 = ir.Constant(ir.VectorType(f32, 2), ir.Undefined)
     for h in range(2):
-        d2 = builder.insert_element(d2, _half_at(context, builder, src_ty, src, _at(builder, o, stride * h)),
+        d2 = builder.insert_element(d2, scale(context, builder, src_ty, src, _at(builder, o, stride * h)),
                                     ir.Constant(_I32, h))
     xd2 = _load_vec(context, builder, xd_ty, xd, builder.mul(p, ir.Constant(p.type, 2)), f32, 2)
     return _shuffle(builder, builder.fmul(d2, xd2), [i // 8 for i in range(16)])
@@ -1694,47 +1696,98 @@ def _iq4_nl_pair_values(context, builder, src_ty, src, o):
                 [_vec_const(8, list(IQ4_LEVELS) * 4), codes])
 
 
-def _q5_0_pair_values(context, builder, src_ty, src, o):
-    """A pair of Q5_0 blocks' 64 values (code - 16, <64 x i8>) at src[o] (22 bytes each: fp16 d, 32 fifth bits qh,
-    16 code bytes), in value order: bit j of a block's qh is value j's fifth bit, so the two blocks' qh words are
-    one 64-bit mask ORing 16 onto the nibbles."""
-    codes = _pair_nibbles(context, builder, src_ty, src, o, 6, 22)
+def _pair_codes5(context, builder, src_ty, src, o, qh, size):
+    """A pair of 5-bit-code blocks' 64 codes (0-31, <64 x u8>) at src[o] (`size` bytes each: the 32 fifth bits at
+    byte qh, value j's at bit j, then 16 code bytes), in value order: the two blocks' qh words are one 64-bit mask
+    ORing 16 onto the nibbles (Q5_0, Q5_1)."""
+    codes = _pair_nibbles(context, builder, src_ty, src, o, qh + 4, size)
     i64 = ir.IntType(64)
-    qh = [builder.zext(builder.load(_pointer(context, builder, src_ty, src, _at(builder, o, 2 + 22 * h), _I32),
-                                    align=1), i64) for h in range(2)]
-    bits = builder.bitcast(builder.or_(qh[0], builder.shl(qh[1], ir.Constant(i64, 32))),
+    words = [builder.zext(builder.load(_pointer(context, builder, src_ty, src, _at(builder, o, qh + size * h), _I32),
+                                       align=1), i64) for h in range(2)]
+    bits = builder.bitcast(builder.or_(words[0], builder.shl(words[1], ir.Constant(i64, 32))),
                            ir.VectorType(ir.IntType(1), 64))
-    fifth = builder.select(bits, _vec_const(8, [16] * 64), _vec_const(8, [0] * 64))
-    return builder.sub(builder.or_(codes, fifth), _vec_const(8, [16] * 64))
+    return builder.or_(codes, builder.select(bits, _vec_const(8, [16] * 64), _vec_const(8, [0] * 64)))
 
 
-def _pair_int_codegen(size, values):
-    """The codegen of an integer row dot over pairs of 32-value blocks of `size` bytes (fp16 d first) with Q8_0
-    activation codes (VNNI): values(context, builder, src_ty, src, o) gives a pair's 64 signed values in value
-    order; their magnitudes times x with the values' signs moved onto x, one vpdpbusd (lanes 0-7 block 2 p, 8-15
-    block 2 p + 1, exact), float lanes scaled per block by d xd (_pair_scales16, _float_lanes_row)."""
+def _q5_0_pair_values(context, builder, src_ty, src, o):
+    """A pair of Q5_0 blocks' 64 values (code - 16) at src[o] (22 bytes each: fp16 d, qh, 16 code bytes)."""
+    return builder.sub(_pair_codes5(context, builder, src_ty, src, o, 2, 22), _vec_const(8, [16] * 64))
+
+
+def _q5_1_pair_codes(context, builder, src_ty, src, o):
+    """A pair of Q5_1 blocks' 64 codes (value d code + m) at src[o] (24 bytes each: fp16 d, fp16 m, qh, codes)."""
+    return _pair_codes5(context, builder, src_ty, src, o, 4, 24)
+
+
+def _q4_0_pair_values(context, builder, src_ty, src, o):
+    """A pair of Q4_0 blocks' 64 values (code - 8) at src[o] (18 bytes each: fp16 d, 16 code bytes)."""
+    return builder.sub(_pair_nibbles(context, builder, src_ty, src, o, 2, 18), _vec_const(8, [8] * 64))
+
+
+def _q4_1_pair_codes(context, builder, src_ty, src, o):
+    """A pair of Q4_1 blocks' 64 codes (value d code + m) at src[o] (20 bytes each: fp16 d, fp16 m, codes)."""
+    return _pair_nibbles(context, builder, src_ty, src, o, 4, 20)
+
+
+# MXFP4's e2m1 values, doubled to integers (its scale is halved to match: _e8m0_half_at)
+FP4_LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def _mxfp4_pair_values(context, builder, src_ty, src, o):
+    """A pair of MXFP4 blocks' 64 doubled e2m1 values at src[o] (17 bytes each: e8m0 exponent, 16 code bytes):
+    the nibbles through FP4_LEVELS by vpshufb."""
+    codes = _pair_nibbles(context, builder, src_ty, src, o, 1, 17)
+    return _x86(builder, "llvm.x86.avx512.pshuf.b.512", ir.VectorType(_I8, 64),
+                [_vec_const(8, list(FP4_LEVELS) * 4), codes])
+
+
+def _e8m0_half_at(context, builder, ary_ty, ary, off):
+    """2^(e - 128) for the e8m0 exponent byte e at byte offset `off`, as float32: (e - 1) << 23 as bits, or the
+    subnormals 2^-128 and 2^-127 for e = 0 and 1 (MXFP4's scale, halved for FP4_LEVELS)."""
+    e = builder.zext(builder.load(_pointer(context, builder, ary_ty, ary, off, _I8)), _I32)
+    small = builder.icmp_unsigned("<", e, ir.Constant(_I32, 2))
+    bits = builder.select(small, builder.shl(ir.Constant(_I32, 0x00200000), e),
+                          builder.shl(builder.sub(e, ir.Constant(_I32, 1)), ir.Constant(_I32, 23)))
+    return builder.bitcast(bits, ir.FloatType())
+
+
+def _pair_int_codegen(size, values, scale=None, min_at=None):
+    """The codegen of an integer row dot over pairs of 32-value blocks of `size` bytes with Q8_0 activation codes
+    (VNNI): values(context, builder, src_ty, src, o) gives a pair's 64 values in value order, each block's scale d
+    at its byte 0 (fp16, or what scale reads: _pair_scales16). Signed values: their magnitudes times x with the
+    values' signs moved onto x, one vpdpbusd (lanes 0-7 block 2 p, 8-15 block 2 p + 1, exact), float lanes scaled
+    per block by d xd (_float_lanes_row). With an fp16 min m at byte min_at (value d code + m), the codes are
+    unsigned and go straight into vpdpbusd; a second one against ones sums x for m xd sum(x)."""
     def codegen(context, builder, sig, args):
         src_ty, src_v, xq_ty, xq_v, xd_ty, xd_v = sig.args[0], args[0], sig.args[1], args[1], sig.args[2], args[2]
         v64, v16 = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16)
-        zero = ir.Constant(v64, [0] * 64)
+        zero, zero16 = ir.Constant(v64, [0] * 64), ir.Constant(v16, [0] * 16)
 
         def terms(p):
             o = builder.mul(p, ir.Constant(p.type, 2 * size))
             w = values(context, builder, src_ty, src_v, o)
-            neg = builder.icmp_signed("<", w, zero)
             x = _load(context, builder, xq_ty, xq_v, builder.mul(p, ir.Constant(p.type, 64)), 64)
-            mag, sx = builder.select(neg, builder.sub(zero, w), w), builder.select(neg, builder.sub(zero, x), x)
-            lanes = _dpbusd(builder, ir.Constant(v16, [0] * 16), builder.bitcast(mag, v16), builder.bitcast(sx, v16),
-                            True)
-            return [(lanes, _pair_scales16(context, builder, src_ty, src_v, o, size, xd_ty, xd_v, p))]
+            d = _pair_scales16(context, builder, src_ty, src_v, o, size, xd_ty, xd_v, p, scale)
+            if min_at is None:
+                neg = builder.icmp_signed("<", w, zero)
+                w, x = builder.select(neg, builder.sub(zero, w), w), builder.select(neg, builder.sub(zero, x), x)
+            lanes = _dpbusd(builder, zero16, builder.bitcast(w, v16), builder.bitcast(x, v16), True)
+            if min_at is None:
+                return [(lanes, d)]
+            sums = _dpbusd(builder, zero16, ir.Constant(v16, [0x01010101] * 16), builder.bitcast(x, v16), True)
+            return [(lanes, d), (sums, _pair_scales16(context, builder, src_ty, src_v, _at(builder, o, min_at), size,
+                                                      xd_ty, xd_v, p))]
         return _float_lanes_row(context, builder, args[3], terms)
     return codegen
 
 
-def _pair_float_codegen(size, values):
-    """The codegen of a float row dot over pairs of 32-value blocks of `size` bytes (fp16 d first), AVX-512BW:
-    values(...) as in _pair_int_codegen, widened to float 16 at a time and multiplied by x, each block's 32
-    products scaled once by its d; float lanes kept across the row (_float_lanes_row)."""
+def _pair_float_codegen(size, values, scale=None, min_at=None):
+    """The codegen of a float row dot over pairs of 32-value blocks of `size` bytes (scale d at byte 0 as in
+    _pair_int_codegen), AVX-512BW: values(...) widened to float 16 at a time and multiplied by x, each block's 32
+    products scaled once by its d; with a min m at byte min_at, m times x's block sums (xsum32) added; float lanes
+    kept across the row (_float_lanes_row)."""
+    scale = scale or _half_at
+
     def codegen(context, builder, sig, args):
         src_ty, src_v, x_ty, x_v = sig.args[0], args[0], sig.args[1], args[1]
         f32 = ir.FloatType()
@@ -1752,34 +1805,48 @@ def _pair_float_codegen(size, values):
                     xv = _load_vec(context, builder, x_ty, x_v, _at(builder, y, 32 * h + 16 * c), f32, 16)
                     part = builder.fmul(builder.sitofp(builder.sext(chunk, v16i), v16f), xv, flags=_FL)
                     total = part if total is None else builder.fadd(total, part, flags=_FL)
-                out.append((total, _half_at(context, builder, src_ty, src_v, _at(builder, o, size * h))))
+                out.append((total, scale(context, builder, src_ty, src_v, _at(builder, o, size * h))))
+            if min_at is not None:  # m0 xsum32[2 p], m1 xsum32[2 p + 1] in lanes 0 and 1
+                m2 = ir.Constant(ir.VectorType(f32, 2), ir.Undefined)
+                for h in range(2):
+                    m2 = builder.insert_element(m2, _half_at(context, builder, src_ty, src_v,
+                                                             _at(builder, o, min_at + size * h)), ir.Constant(_I32, h))
+                xs2 = _load_vec(context, builder, sig.args[2], args[2], builder.mul(p, ir.Constant(p.type, 2)), f32, 2)
+                mins = builder.shuffle_vector(builder.fmul(m2, xs2, flags=_FL), ir.Constant(m2.type, [0.0, 0.0]),
+                                              _vec_const(32, [0, 1] + [2] * 14))
+                out.append((mins, ir.Constant(f32, 1.0)))
             return out
-        return _float_lanes_row(context, builder, args[2], terms)
+        return _float_lanes_row(context, builder, args[3], terms)
     return codegen
 
 
-def _pair_dots(size, values, name):
+def _pair_dots(size, values, name, scale=None, min_at=None):
     """The integer (Q8_0 activation codes, VNNI) and float (AVX-512BW) row dots over pairs of a 32-value format's
-    blocks of `size` bytes: (src, xq, xd, pairs) -> sum over blocks b < 2 pairs of d_b xd[b] (values_b . x_b), and
-    (src, x, pairs) -> sum of d_b (values_b . x_b) (_pair_int_codegen, _pair_float_codegen)."""
+    blocks of `size` bytes: (src, xq, xd, pairs) -> sum over blocks b < 2 pairs of xd[b] (d_b values_b . x_b
+    [+ m_b sum x_b]), and (src, x, xsum32, pairs) -> sum of d_b (values_b . x_b) [+ m_b xsum32[b]], x's block sums
+    used by the formats with a min only (_pair_int_codegen, _pair_float_codegen)."""
     @intrinsic
     def int_dot(typingctx, src, xq, xd, pairs):
         if not (HAS_VNNI and _byte_array(src) and _byte_array(xq) and _float_array(xd)):
             return None
-        return types.float32(src, xq, xd, pairs), _pair_int_codegen(size, values)
+        return types.float32(src, xq, xd, pairs), _pair_int_codegen(size, values, scale, min_at)
 
     @intrinsic
-    def float_dot(typingctx, src, x, pairs):
-        if not (HAS_AVX512BW and _byte_array(src) and _float_array(x)):
+    def float_dot(typingctx, src, x, xsum32, pairs):
+        if not (HAS_AVX512BW and _byte_array(src) and _float_array(x) and _float_array(xsum32)):
             return None
-        return types.float32(src, x, pairs), _pair_float_codegen(size, values)
+        return types.float32(src, x, xsum32, pairs), _pair_float_codegen(size, values, scale, min_at)
     int_dot.__name__, float_dot.__name__ = f"fdot_{name}_pairs", f"fdot_{name}_row"
     return int_dot, float_dot
 
 
-# IQ4_NL: levels by vpshufb; Q5_0: codes - 16
+# IQ4_NL and MXFP4: levels by vpshufb; Q4_0, Q5_0: codes - 8, codes - 16; Q4_1, Q5_1: d code + m
 fdot_iq4_nl_pairs, fdot_iq4_nl_row = _pair_dots(18, _iq4_nl_pair_values, "iq4_nl")
+fdot_mxfp4_pairs, fdot_mxfp4_row = _pair_dots(17, _mxfp4_pair_values, "mxfp4", scale=_e8m0_half_at)
+fdot_q4_0_pairs, fdot_q4_0_row = _pair_dots(18, _q4_0_pair_values, "q4_0")
 fdot_q5_0_pairs, fdot_q5_0_row = _pair_dots(22, _q5_0_pair_values, "q5_0")
+fdot_q4_1_pairs, fdot_q4_1_row = _pair_dots(20, _q4_1_pair_codes, "q4_1", min_at=2)
+fdot_q5_1_pairs, fdot_q5_1_row = _pair_dots(24, _q5_1_pair_codes, "q5_1", min_at=2)
 
 
 @intrinsic

@@ -13,13 +13,13 @@ from strata_async.kernels import quant
 from strata_async.kernels.expert_pool import add_scaled_rows, swiglu_experts
 
 Q = gguf.GGMLQuantizationType
-SCALE_OFFSETS = {Q.Q5_0: (0,), Q.Q3_K: (108,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2),
-                 Q.Q6_K: (208,), Q.Q2_K: (80, 82), Q.IQ2_XS: (0,)}
+SCALE_OFFSETS = {Q.Q4_1: (0, 2), Q.Q5_1: (0, 2), Q.Q5_0: (0,), Q.Q3_K: (108,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,),
+                 Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q2_K: (80, 82), Q.IQ2_XS: (0,)}
 TOL = 1e-5
 
 
 def random_rows(rng: np.random.Generator, t: Q, rows: int, k: int) -> np.ndarray:
-    if t in (Q.Q8_0, Q.Q4_0):
+    if t in (Q.Q8_0, Q.Q4_0, Q.MXFP4):
         values = rng.standard_normal((rows, k)).astype(np.float32)
         return np.ascontiguousarray(gguf.quants.quantize(values, t)).reshape(rows, -1)
     block_elems, block_bytes = gguf.GGML_QUANT_SIZES[t]
@@ -55,7 +55,8 @@ def swiglu_ref(x, gate, up, down, ids, weights):
 
 
 @pytest.mark.parametrize("types", [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0, Q.Q8_0), (Q.Q2_K, Q.Q4_0, Q.Q4_K),
-                                   (Q.IQ2_XS, Q.IQ2_XS, Q.IQ2_XS), (Q.Q5_K, Q.Q5_K, Q.Q6_K), (Q.Q3_K, Q.Q3_K, Q.Q3_K)])
+                                   (Q.IQ2_XS, Q.IQ2_XS, Q.IQ2_XS), (Q.Q5_K, Q.Q5_K, Q.Q6_K), (Q.Q3_K, Q.Q3_K, Q.Q3_K),
+                                   (Q.Q4_1, Q.Q5_1, Q.MXFP4)])
 @pytest.mark.parametrize("n_experts,ffn,hidden,k", [(8, 256, 256, 3), (6, 512, 256, 5), (4, 256, 512, 1)])
 def test_expert_pool_matches_float64(rng, types, n_experts, ffn, hidden, k):
     tg, tu, td = types
@@ -107,7 +108,8 @@ def _rounded_expert_ref(x, g64, u64, d64, tg, td):
                                    (Q.Q2_K, Q.Q2_K, Q.IQ2_XS), (Q.IQ2_XS, Q.IQ2_XS, Q.Q2_K),
                                    (Q.Q5_K, Q.Q5_K, Q.Q5_K), (Q.Q3_K, Q.Q3_K, Q.Q5_K),
                                    (Q.IQ4_XS, Q.IQ4_XS, Q.IQ4_XS), (Q.IQ4_XS, Q.IQ4_XS, Q.IQ4_NL),
-                                   (Q.Q4_K, Q.Q4_K, Q.Q5_0)])
+                                   (Q.Q4_K, Q.Q4_K, Q.Q5_0), (Q.Q4_1, Q.Q4_1, Q.Q5_1),
+                                   (Q.MXFP4, Q.MXFP4, Q.Q4_0)])
 def test_integer_expert_pool_matches_ggml_rounding(rng, types):
     """quantized_activations: x rounded to int8 blocks as ggml does for gate/up, each expert's SwiGLU output
     rounded again before its down rows, integer dots. Reference: float64 products of the same roundings
