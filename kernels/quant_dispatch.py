@@ -8,7 +8,7 @@ cache closures); a branch on the type id per row costs nothing next to decoding 
 import numba
 import numpy as np
 
-from .quant_float import BF16, F16, F32, dequant_bf16, dequant_f16, dequant_f32
+from .quant_float import BF16, F16, F32, dequant_bf16, dequant_f16, dequant_f32, dot_bf16, dot_f16
 from .quant_iq import (IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, dequant_iq1_m, dequant_iq1_s,
                        dequant_iq2_s, dequant_iq2_xs, dequant_iq2_xxs, dequant_iq3_s, dequant_iq3_xxs, dot_iq2_xs,
                        idot_iq2_xs)
@@ -152,10 +152,10 @@ def _dot(a, b):
 @numba.njit(nogil=True, fastmath=False)
 def has_fused_dot(t):
     """Types whose rows are dotted with the activations straight from the blocks (quant_dot, quant_iq,
-    quant_k, quant_legacy), F32 rows (a router, say) straight from their bytes."""
+    quant_k, quant_legacy, quant_nl), F32, F16 and BF16 rows straight from their bytes (quant_float)."""
     return (t == Q8_0 or t == Q3_K or t == Q4_K or t == Q5_K or t == Q6_K or t == IQ2_XS or t == IQ4_NL
             or t == IQ4_XS or t == MXFP4 or t == Q4_0 or t == Q4_1 or t == Q5_0 or t == Q5_1 or t == Q2_K
-            or t == Q2_0 or t == F32)
+            or t == Q2_0 or t == F32 or t == F16 or t == BF16)
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
@@ -216,6 +216,10 @@ def float_dots(t, w, r0, r1, x, xsum32, scratch, out, o0):
         _fused_rows(dot_q2_0, w, r0, r1, x, xsum32, out, o0)
     elif t == F32:
         _fused_rows(_f32_dot, w, r0, r1, x, xsum32, out, o0)
+    elif t == F16:
+        _fused_rows(dot_f16, w, r0, r1, x, xsum32, out, o0)
+    elif t == BF16:
+        _fused_rows(dot_bf16, w, r0, r1, x, xsum32, out, o0)
     elif t == Q8_0:
         _fused_rows(dot_q8_0, w, r0, r1, x, xsum32, out, o0)
     else:

@@ -1349,6 +1349,44 @@ def fdot_f32_64(typingctx, a, b, n64):
     return types.float32(a, b, n64), codegen
 
 
+def _half_row_dot(bf16):
+    """sum over i < 64 n64 of w[i] * x[i], w the fp16 (bf16=False: vcvtph2ps) or bf16 (bf16=True: the 16 bits moved
+    into a float32's high half) values in the bytes src[0:128 n64], x float32; four 16-lane accumulators as in
+    fdot_f32_64."""
+    @intrinsic
+    def dot(typingctx, src, x, n64):
+        if not (_byte_array(src) and _float_array(x)) or not (bf16 or HAS_F16C):
+            return None
+
+        def codegen(context, builder, sig, args):
+            f32 = ir.FloatType()
+            v16 = ir.VectorType(f32, 16)
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(v16, [0.0] * 16)) for _ in range(4)]
+            with cgutils.for_range(builder, args[2]) as loop:
+                base = builder.mul(loop.index, ir.Constant(loop.index.type, 64))
+                for j in range(4):
+                    off = _at(builder, base, 16 * j)
+                    at = builder.mul(off, ir.Constant(off.type, 2))
+                    if bf16:
+                        bits = builder.zext(_load_vec(context, builder, sig.args[0], args[0], at, ir.IntType(16), 16),
+                                            ir.VectorType(_I32, 16))
+                        w = builder.bitcast(builder.shl(bits, ir.Constant(bits.type, [16] * 16)), v16)
+                    else:
+                        w = builder.fpext(_load_vec(context, builder, sig.args[0], args[0], at, ir.HalfType(), 16), v16)
+                    xv = _load_vec(context, builder, sig.args[1], args[1], off, f32, 16)
+                    builder.store(builder.fadd(builder.load(accs[j]), builder.fmul(w, xv, flags=_FL), flags=_FL),
+                                  accs[j])
+            total = builder.fadd(builder.fadd(builder.load(accs[0]), builder.load(accs[1]), flags=_FL),
+                                 builder.fadd(builder.load(accs[2]), builder.load(accs[3]), flags=_FL), flags=_FL)
+            return _reduce_fadd(builder, total, 16)
+        return types.float32(src, x, n64), codegen
+    dot.__name__ = "fdot_bf16_64" if bf16 else "fdot_f16_64"
+    return dot
+
+
+fdot_f16_64, fdot_bf16_64 = _half_row_dot(False), _half_row_dot(True)
+
+
 def _c_float_array(ty) -> bool:
     """A C-contiguous float32 array of any rank (addressed by flat element offsets)."""
     return isinstance(ty, types.Array) and ty.layout == "C" and ty.dtype == types.float32
