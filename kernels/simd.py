@@ -974,14 +974,15 @@ def idot_q2_0_block(typingctx, src, o, x, xo, xs16, g):
     return types.UniTuple(types.int32, 2)(src, o, x, xo, xs16, g), codegen
 
 
-def _iq2_xs_lanes(context, builder, grid_ty, grid, src_ty, src, offsets, x_ty, x, xos):
-    """The int32 lanes of one or two IQ2_XS blocks (74 bytes at src[o], o in offsets) times 256 int8 x[xo:] each
-    (xo in xos), before reduction (a <16 x i32> per block, <32 x i32> without AVX-512BW): per 16 values (2 * 4-bit
-    scale + 1) * (signed grid values . x). The grid points' byte magnitudes and signs come from _iq2_xs_blocks;
-    the signs go onto x instead, so the magnitudes stay unsigned for vpmaddubsw (AVX-512BW; else vpmaddwd): x
-    must lie in [-127, 127], as ggml's activation codes do (-128 has no negation)."""
+def _iq2_xs_lanes(context, builder, grid_ty, grid, src_ty, src, offsets, x_ty, x, xos, reader=None):
+    """The int32 lanes of one or two IQ2_XS blocks (74 bytes at src[o], o in offsets; or the blocks that reader
+    reads, as _iq2_xs_blocks does) times 256 int8 x[xo:] each (xo in xos), before reduction (a <16 x i32> per
+    block, <32 x i32> without AVX-512BW): per 16 values (2 * 4-bit scale + 1) * (signed grid values . x). The grid
+    points' byte magnitudes and signs come from the reader; the signs go onto x instead, so the magnitudes stay
+    unsigned for vpmaddubsw (AVX-512BW; else vpmaddwd): x must lie in [-127, 127], as ggml's activation codes do
+    (-128 has no negation)."""
     totals = []
-    blocks = _iq2_xs_blocks(context, builder, grid_ty, grid, [(src_ty, src, o) for o in offsets])
+    blocks = (reader or _iq2_xs_blocks)(context, builder, grid_ty, grid, [(src_ty, src, o) for o in offsets])
     for block, xo in zip(blocks, xos):
         total = None
         for step in range(4):  # 64 weights: eight groups, four scale nibbles
@@ -1034,62 +1035,107 @@ def _paired_blocks(context, builder, blocks, terms):
     return builder.load(total)
 
 
-@intrinsic
-def fdot_iq2_xs_blocks(typingctx, grid, src, x, xd, blocks):
-    """sum over the first `blocks` IQ2_XS blocks of a row of d_b / 8 * xd[b] * idot_iq2_xs_block's sum, in float
-    lanes, two blocks a step (_paired_blocks; AVX-512BW only). On an AMD EPYC (Zen 4) core, from the cache,
-    alternating with a block a step: 0.050 -> 0.045 ns a weight for rows of 2048 values, 0.068 -> 0.055 for rows
-    of 512 (a 512-row product a call, its parallel start-up included); from RAM on two cores 12.5 -> 14.0 GB/s."""
-    if not (_u64_table(grid) and _byte_array(src) and _byte_array(x) and _float_array(xd)):
-        return None
+def _iq2_dots(reader, size, name):
+    """The integer and float row dots of a 2-bit i-quant whose blocks (`size` bytes, fp16 d first) reader reads
+    into steps of (grid magnitudes, negative lanes, 2 s + 1 scales per 16 values), as _iq2_xs_blocks does: d / 8
+    times the block's sum, ggml's (0.5 + s) / 4 in integers.
 
-    def codegen(context, builder, sig, args):
-        grid_ty, grid_v, src_ty, src_v, x_ty, x_v, xd_ty, xd_v = (sig.args[0], args[0], sig.args[1], args[1],
-                                                                  sig.args[2], args[2], sig.args[3], args[3])
+    (grid, src, x, xd, blocks): sum over the first `blocks` blocks of a row of d_b / 8 * xd[b] * the integer sum of
+    the block with int8 x (_iq2_xs_lanes), in float lanes, two blocks a step (_paired_blocks; AVX-512BW only). For
+    IQ2_XS on an AMD EPYC (Zen 4) core, from the cache, alternating with a block a step: 0.050 -> 0.045 ns a weight
+    for rows of 2048 values, 0.068 -> 0.055 for rows of 512 (a 512-row product a call, its parallel start-up
+    included); from RAM on two cores 12.5 -> 14.0 GB/s.
 
-        def terms(bs):
-            offsets = [builder.mul(b, ir.Constant(b.type, 74)) for b in bs]
-            totals = _iq2_xs_lanes(context, builder, grid_ty, grid_v, src_ty, src_v, offsets, x_ty, x_v,
-                                   [builder.mul(b, ir.Constant(b.type, 256)) for b in bs])
-            d8 = [builder.fmul(_half_at(context, builder, src_ty, src_v, o), ir.Constant(ir.FloatType(), 0.125))
-                  for o in offsets]
-            return [(t, builder.fmul(d, _elem(context, builder, xd_ty, xd_v, b))) for t, d, b in zip(totals, d8, bs)]
-        return _paired_blocks(context, builder, args[4], terms)
-    return types.float32(grid, src, x, xd, blocks), codegen
-
-
-@intrinsic
-def fdot_iq2_xs_row(typingctx, grid, src, x, blocks):
-    """sum over the first `blocks` IQ2_XS blocks (74 bytes) of a row times float32 x of d / 8 * sum over the
-    block's 256 values of (2 s + 1) * signed grid value * x. The grid points and signs come from _iq2_xs_blocks,
-    two blocks a step (_paired_blocks); value times run scale is an exact int16 product (|value| <= 43,
+    (grid, src, x, blocks): the same with float32 x: value times run scale is an exact int16 product (|value| <= 43,
     2 s + 1 <= 31), converted once and multiplied with x in float lanes kept across the row."""
-    if not (_u64_table(grid) and _byte_array(src) and _float_array(x)):
-        return None
+    @intrinsic
+    def int_dot(typingctx, grid, src, x, xd, blocks):
+        if not (_u64_table(grid) and _byte_array(src) and _byte_array(x) and _float_array(xd)):
+            return None
 
-    def codegen(context, builder, sig, args):
-        grid_ty, grid_v, src_ty, src_v, x_ty, x_v = sig.args[0], args[0], sig.args[1], args[1], sig.args[2], args[2]
-        f32, i16 = ir.FloatType(), ir.IntType(16)
+        def codegen(context, builder, sig, args):
+            grid_ty, grid_v, src_ty, src_v, x_ty, x_v, xd_ty, xd_v = (sig.args[0], args[0], sig.args[1], args[1],
+                                                                      sig.args[2], args[2], sig.args[3], args[3])
 
-        def terms(bs):
-            offsets = [builder.mul(b, ir.Constant(b.type, 74)) for b in bs]
-            blocks = _iq2_xs_blocks(context, builder, grid_ty, grid_v, [(src_ty, src_v, o) for o in offsets])
-            out = []
-            for b, o, block in zip(bs, offsets, blocks):
-                y = builder.mul(b, ir.Constant(b.type, 256))
-                total = None
-                for step in range(4):  # 64 values: eight groups, four scale nibbles
-                    g8, neg, sc4 = block(step)
-                    values = builder.sext(_negate_where(builder, g8, neg), ir.VectorType(i16, 64))
-                    scaled = builder.mul(values, _shuffle(builder, sc4, [k // 16 for k in range(64)]))
-                    xv = _load_vec(context, builder, x_ty, x_v, _at(builder, y, 64 * step), f32, 64)
-                    part = builder.fmul(builder.sitofp(scaled, ir.VectorType(f32, 64)), xv, flags=_FL)
-                    total = part if total is None else builder.fadd(total, part, flags=_FL)
-                d8 = builder.fmul(_half_at(context, builder, src_ty, src_v, o), ir.Constant(f32, 0.125))
-                out.append((_fold16(builder, total), d8))
-            return out
-        return _paired_blocks(context, builder, args[3], terms)
-    return types.float32(grid, src, x, blocks), codegen
+            def terms(bs):
+                offsets = [builder.mul(b, ir.Constant(b.type, size)) for b in bs]
+                totals = _iq2_xs_lanes(context, builder, grid_ty, grid_v, src_ty, src_v, offsets, x_ty, x_v,
+                                       [builder.mul(b, ir.Constant(b.type, 256)) for b in bs], reader)
+                d8 = [builder.fmul(_half_at(context, builder, src_ty, src_v, o), ir.Constant(ir.FloatType(), 0.125))
+                      for o in offsets]
+                return [(t, builder.fmul(d, _elem(context, builder, xd_ty, xd_v, b)))
+                        for t, d, b in zip(totals, d8, bs)]
+            return _paired_blocks(context, builder, args[4], terms)
+        return types.float32(grid, src, x, xd, blocks), codegen
+
+    @intrinsic
+    def float_dot(typingctx, grid, src, x, blocks):
+        if not (_u64_table(grid) and _byte_array(src) and _float_array(x)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            grid_ty, grid_v, src_ty, src_v, x_ty, x_v = sig.args[0], args[0], sig.args[1], args[1], sig.args[2], args[2]
+            f32, i16 = ir.FloatType(), ir.IntType(16)
+
+            def terms(bs):
+                offsets = [builder.mul(b, ir.Constant(b.type, size)) for b in bs]
+                blocks = reader(context, builder, grid_ty, grid_v, [(src_ty, src_v, o) for o in offsets])
+                out = []
+                for b, o, block in zip(bs, offsets, blocks):
+                    y = builder.mul(b, ir.Constant(b.type, 256))
+                    total = None
+                    for step in range(4):  # 64 values: eight groups, four run scales
+                        g8, neg, sc4 = block(step)
+                        values = builder.sext(_negate_where(builder, g8, neg), ir.VectorType(i16, 64))
+                        scaled = builder.mul(values, _shuffle(builder, sc4, [k // 16 for k in range(64)]))
+                        xv = _load_vec(context, builder, x_ty, x_v, _at(builder, y, 64 * step), f32, 64)
+                        part = builder.fmul(builder.sitofp(scaled, ir.VectorType(f32, 64)), xv, flags=_FL)
+                        total = part if total is None else builder.fadd(total, part, flags=_FL)
+                    d8 = builder.fmul(_half_at(context, builder, src_ty, src_v, o), ir.Constant(f32, 0.125))
+                    out.append((_fold16(builder, total), d8))
+                return out
+            return _paired_blocks(context, builder, args[3], terms)
+        return types.float32(grid, src, x, blocks), codegen
+    int_dot.__name__, float_dot.__name__ = f"fdot_{name}_blocks", f"fdot_{name}_row"
+    return int_dot, float_dot
+
+
+def _iq2_xxs_blocks(context, builder, grid_ty, grid, blocks):
+    """The steps of the IQ2_XXS blocks at src[o] for (src type, src, o) in blocks (66 bytes each: fp16 d, then per
+    32 values four grid-point bytes and a uint32 of four 7-bit sign indices and a 4-bit scale s at bits 28-31), as
+    _iq2_xs_blocks gives them: per 64 values the grid magnitudes (a load per point from grid, uint64 [256], 8 byte
+    magnitudes each), the negative lanes (ggml's ksigns: the 7 bits and their parity, _sign_bytes) and the scales
+    2 s + 1 of its four runs of 16."""
+    i16 = ir.IntType(16)
+    v8 = ir.VectorType(_I64, 8)
+    grid_data = _data(context, builder, grid_ty, grid)
+    steppers = []
+    for src_ty, src, o in blocks:
+        words = _load_vec(context, builder, src_ty, src, _at(builder, o, 2), _I32, 16)
+        aux = _shuffle(builder, words, [2 * ib + 1 for ib in range(8)])  # sign indices and scale per 32 values
+        fields = builder.and_(builder.lshr(_shuffle(builder, aux, [g // 4 for g in range(32)]),
+                                           _vec_const(32, [7 * (g % 4) for g in range(32)])),
+                              _vec_const(32, [127] * 32))
+        signs = _sign_bytes(builder, builder.shl(builder.trunc(fields, ir.VectorType(i16, 32)),
+                                                 _vec_const(16, [9] * 32)), 32)
+        odd = builder.trunc(builder.add(builder.shl(builder.lshr(aux, _vec_const(32, [28] * 8)),
+                                                    _vec_const(32, [1] * 8)), _vec_const(32, [1] * 8)),
+                            ir.VectorType(i16, 8))
+
+        def step(s, src_ty=src_ty, src=src, o=o, signs=signs, odd=odd):
+            v = ir.Constant(v8, ir.Undefined)
+            for k in range(8):  # group k of the step: sub-block 2 s + k // 4, its point k % 4
+                at = _at(builder, o, 2 + 8 * (2 * s + k // 4) + k % 4)
+                index = builder.zext(builder.load(_pointer(context, builder, src_ty, src, at, _I8)), _I64)
+                v = builder.insert_element(v, builder.load(builder.gep(grid_data, [index])), ir.Constant(_I32, k))
+            return (builder.bitcast(v, ir.VectorType(_I8, 64)), _sign_masks(builder, signs, 8 * s, 8),
+                    _shuffle(builder, odd, [2 * s, 2 * s, 2 * s + 1, 2 * s + 1]))
+        steppers.append(step)
+    return steppers
+
+
+fdot_iq2_xs_blocks, fdot_iq2_xs_row = _iq2_dots(_iq2_xs_blocks, 74, "iq2_xs")
+fdot_iq2_xxs_blocks, fdot_iq2_xxs_row = _iq2_dots(_iq2_xxs_blocks, 66, "iq2_xxs")
 
 
 def _reduce_fadd(builder, vec, n):

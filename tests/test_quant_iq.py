@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from gguf import quants as gguf_quants
 
-from strata_async.kernels import quant
+from strata_async.kernels import quant, quant_int, quant_iq
 from strata_async.kernels.reference import q8_k_activations_ref
 
 IQ_TYPES = ["IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"]
@@ -104,3 +104,15 @@ def test_quantized_activations_match_q8_k(name, rng):
         x_q8 = q8_k_activations_ref(x)
         assert_product_close(quant.matmul(w, ggml_type, x, act_quant=True), w64, x_q8)
         assert_product_close(quant.matvec(w, ggml_type, x[0], act_quant=True), w64, x_q8[0])
+
+
+def test_iq2_xxs_integer_dot_without_avx512_matches_float64(rng):
+    """The IQ2_XXS integer dot's portable loop (CPUs without AVX-512BW; this one may take the vector path in matvec):
+    rows against float64 of gguf's weights times the activations their Q8_K codes stand for."""
+    for k in (256, 768):
+        w = random_rows(rng, "IQ2_XXS", 3, k)
+        w64 = reference_weights(w, "IQ2_XXS")
+        xq, xd, xs16 = quant_int.q8_activations(rng.standard_normal(k).astype(np.float32), 256)
+        x64 = xq.astype(np.float64) * np.repeat(xd.astype(np.float64), 256)
+        got = np.array([quant_iq.idot_iq2_xxs_loop(w[r], xq, xd, xs16) for r in range(3)], np.float32)
+        assert_product_close(got, w64, x64)
