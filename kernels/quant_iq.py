@@ -15,7 +15,8 @@ from gguf import quants as gguf_quants
 from .ggml_blocks import f16, half_to_float, u16, u32
 from .quant import register_type
 from .simd import (HAS_AVX512BW, HAS_F16C, IQ2_XS_MAGNITUDES, IQ2_XS_POINTS, dequant_iq2_xs_block,
-                   fdot_iq2_xs_blocks, fdot_iq2_xs_row, fdot_iq2_xxs_blocks, fdot_iq2_xxs_row, idot_iq2_xs_block)
+                   fdot_iq2_xs_blocks, fdot_iq2_xs_row, fdot_iq2_xxs_blocks, fdot_iq2_xxs_row, fdot_iq3_xxs_blocks,
+                   fdot_iq3_xxs_row, idot_iq2_xs_block)
 
 IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M = 16, 17, 18, 19, 21, 22, 29
 _QK = 256
@@ -59,7 +60,9 @@ _IQ2XS_TABLES = np.concatenate([
 assert _IQ2XS_TABLES.shape == (IQ2_XS_POINTS + 128,)
 # The IQ2_XXS grid as simd._iq2_xxs_blocks takes it: each point's 8 byte magnitudes (8, 25 or 43) in a uint64.
 _IQ2XXS_POINTS = np.ascontiguousarray(_IQ2XXS_GRID.astype(np.uint8)).view(np.uint64).reshape(-1)
-_IQ2XXS_INT_GRID = _IQ2XXS_GRID.astype(np.int32)
+# IQ3_XXS's: each point's 4 byte magnitudes (4 to 62) in a uint32.
+_IQ3XXS_POINTS = np.ascontiguousarray(_IQ3XXS_GRID.astype(np.uint8)).view(np.uint32).reshape(-1)
+_IQ2XXS_INT_GRID, _IQ3XXS_INT_GRID = _IQ2XXS_GRID.astype(np.int32), _IQ3XXS_GRID.astype(np.int32)
 _SIGN8_INT = _SIGN8.astype(np.int32)
 
 
@@ -242,26 +245,44 @@ def dot_iq2_xxs(src, x, xsum32):
     return fdot_iq2_xxs_row(_IQ2XXS_POINTS, src, x, x.shape[0] // _QK)
 
 
-@numba.njit(nogil=True, cache=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
-def idot_iq2_xxs_loop(src, xq, xd, xs16):
-    """idot_iq2_xxs without AVX-512BW: per 32 values (2 s + 1) times the integer dot of the signed grid values
-    with the codes, per 256 d * xd / 8 (ggml's vec_dot_iq2_xxs_q8_K)."""
+@numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
+def _xxs_loop(src, xq, xd, size, aux0, aux_step, grid, factor):
+    """The integer dot of IQ2_XXS or IQ3_XXS rows (blocks of `size` bytes: fp16 d, then per 32 values ib the grid
+    indices at bytes 2 + 8 ib.., its aux word at aux0 + aux_step ib: four 7-bit sign indices through ksigns and
+    a 4-bit scale s at bits 28-31) with Q8_K activations, for CPUs without AVX-512BW: per 32 values (2 s + 1) times
+    the signed grid values (grid: [points, values a point] int32) dotted with the codes, per 256 d xd factor
+    (ggml's vec_dot_iq2_xxs_q8_K, vec_dot_iq3_xxs_q8_K)."""
+    n = grid.shape[1]
+    per_group = 8 // n  # points per 8 values
     acc = np.float32(0.0)
     for b in range(xq.shape[0] // _QK):
-        o = b * 66
+        o = b * size
         isum = 0
         for ib in range(8):
-            q = o + 2 + 8 * ib
-            aux = np.int64(u32(src, q + 4))
+            aux = np.int64(u32(src, o + aux0 + aux_step * ib))
             s = 0
             for l in range(4):
                 signs = _KSIGNS[(aux >> (7 * l)) & 127]
-                point = src[q + l]
-                for j in range(8):
-                    s += _IQ2XXS_INT_GRID[point, j] * _SIGN8_INT[signs, j] * np.int32(xq[b * _QK + 32 * ib + 8 * l + j])
+                for p in range(per_group):
+                    point = src[o + 2 + 8 * ib + per_group * l + p]
+                    y = b * _QK + 32 * ib + 8 * l + n * p
+                    for j in range(n):
+                        s += grid[point, j] * _SIGN8_INT[signs, n * p + j] * np.int32(xq[y + j])
             isum += (2 * (aux >> 28) + 1) * s
         acc += f16(src, o) * xd[b] * np.float32(isum)
-    return acc * np.float32(0.125)
+    return acc * np.float32(factor)
+
+
+@numba.njit(nogil=True, cache=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
+def idot_iq2_xxs_loop(src, xq, xd, xs16):
+    """idot_iq2_xxs without AVX-512BW (_xxs_loop): d (0.5 + s) / 4 is d (2 s + 1) / 8."""
+    return _xxs_loop(src, xq, xd, 66, 6, 8, _IQ2XXS_INT_GRID, 0.125)
+
+
+@numba.njit(nogil=True, cache=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
+def idot_iq3_xxs_loop(src, xq, xd, xs16):
+    """idot_iq3_xxs without AVX-512BW (_xxs_loop): d (0.5 + s) / 2 is d (2 s + 1) / 4."""
+    return _xxs_loop(src, xq, xd, 98, 66, 4, _IQ3XXS_INT_GRID, 0.25)
 
 
 @numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
@@ -270,3 +291,17 @@ def idot_iq2_xxs(src, xq, xd, xs16):
     if HAS_AVX512BW and HAS_F16C:
         return fdot_iq2_xxs_blocks(_IQ2XXS_POINTS, src, xq, xd, xq.shape[0] // _QK)
     return idot_iq2_xxs_loop(src, xq, xd, xs16)
+
+
+@numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
+def dot_iq3_xxs(src, x, xsum32):
+    """One IQ3_XXS row times float32 x, straight from the blocks: per 256 d / 4 * sum (2 s + 1) value x."""
+    return fdot_iq3_xxs_row(_IQ3XXS_POINTS, src, x, x.shape[0] // _QK)
+
+
+@numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
+def idot_iq3_xxs(src, xq, xd, xs16):
+    """One IQ3_XXS row times Q8_K activations (fdot_iq3_xxs_blocks with AVX-512BW)."""
+    if HAS_AVX512BW and HAS_F16C:
+        return fdot_iq3_xxs_blocks(_IQ3XXS_POINTS, src, xq, xd, xq.shape[0] // _QK)
+    return idot_iq3_xxs_loop(src, xq, xd, xs16)

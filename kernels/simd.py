@@ -713,6 +713,10 @@ def _u64_table(ty) -> bool:
     return _array_1d(ty, types.uint64)
 
 
+def _u32_table(ty) -> bool:
+    return _array_1d(ty, types.uint32)
+
+
 # The IQ2_XS grid table the i-quant intrinsics take (quant_iq._IQ2XS_TABLES, uint64): the 512 grid points, each 8
 # byte magnitudes, then the same points as 2-bit level codes (value j's magnitude IQ2_XS_MAGNITUDES[level] at bits
 # 2 j of a uint16) in two byte planes, the 512 low bytes then the 512 high bytes (128 uint64), for GRID_READ
@@ -1035,22 +1039,23 @@ def _paired_blocks(context, builder, blocks, terms):
     return builder.load(total)
 
 
-def _iq2_dots(reader, size, name):
-    """The integer and float row dots of a 2-bit i-quant whose blocks (`size` bytes, fp16 d first) reader reads
-    into steps of (grid magnitudes, negative lanes, 2 s + 1 scales per 16 values), as _iq2_xs_blocks does: d / 8
-    times the block's sum, ggml's (0.5 + s) / 4 in integers.
+def _iq2_dots(reader, size, name, d_factor=0.125, table=_u64_table):
+    """The integer and float row dots of an i-quant whose blocks (`size` bytes, fp16 d first) reader reads into
+    steps of (grid magnitudes, negative lanes, 2 s + 1 scales per 16 values), as _iq2_xs_blocks does: d d_factor
+    times the block's sum (the 2-bit types' (0.5 + s) / 4 is (2 s + 1) / 8, IQ3_XXS's (0.5 + s) / 2 is
+    (2 s + 1) / 4); the grid a 1-D array that table() accepts.
 
-    (grid, src, x, xd, blocks): sum over the first `blocks` blocks of a row of d_b / 8 * xd[b] * the integer sum of
-    the block with int8 x (_iq2_xs_lanes), in float lanes, two blocks a step (_paired_blocks; AVX-512BW only). For
-    IQ2_XS on an AMD EPYC (Zen 4) core, from the cache, alternating with a block a step: 0.050 -> 0.045 ns a weight
-    for rows of 2048 values, 0.068 -> 0.055 for rows of 512 (a 512-row product a call, its parallel start-up
-    included); from RAM on two cores 12.5 -> 14.0 GB/s.
+    (grid, src, x, xd, blocks): sum over the first `blocks` blocks of a row of d_b d_factor xd[b] times the integer
+    sum of the block with int8 x (_iq2_xs_lanes), in float lanes, two blocks a step (_paired_blocks; AVX-512BW
+    only). For IQ2_XS on an AMD EPYC (Zen 4) core, from the cache, alternating with a block a step: 0.050 -> 0.045
+    ns a weight for rows of 2048 values, 0.068 -> 0.055 for rows of 512 (a 512-row product a call, its parallel
+    start-up included); from RAM on two cores 12.5 -> 14.0 GB/s.
 
-    (grid, src, x, blocks): the same with float32 x: value times run scale is an exact int16 product (|value| <= 43,
+    (grid, src, x, blocks): the same with float32 x: value times run scale is an exact int16 product (|value| <= 62,
     2 s + 1 <= 31), converted once and multiplied with x in float lanes kept across the row."""
     @intrinsic
     def int_dot(typingctx, grid, src, x, xd, blocks):
-        if not (_u64_table(grid) and _byte_array(src) and _byte_array(x) and _float_array(xd)):
+        if not (table(grid) and _byte_array(src) and _byte_array(x) and _float_array(xd)):
             return None
 
         def codegen(context, builder, sig, args):
@@ -1061,8 +1066,8 @@ def _iq2_dots(reader, size, name):
                 offsets = [builder.mul(b, ir.Constant(b.type, size)) for b in bs]
                 totals = _iq2_xs_lanes(context, builder, grid_ty, grid_v, src_ty, src_v, offsets, x_ty, x_v,
                                        [builder.mul(b, ir.Constant(b.type, 256)) for b in bs], reader)
-                d8 = [builder.fmul(_half_at(context, builder, src_ty, src_v, o), ir.Constant(ir.FloatType(), 0.125))
-                      for o in offsets]
+                d8 = [builder.fmul(_half_at(context, builder, src_ty, src_v, o), 
+                                   ir.Constant(ir.FloatType(), d_factor)) for o in offsets]
                 return [(t, builder.fmul(d, _elem(context, builder, xd_ty, xd_v, b)))
                         for t, d, b in zip(totals, d8, bs)]
             return _paired_blocks(context, builder, args[4], terms)
@@ -1070,7 +1075,7 @@ def _iq2_dots(reader, size, name):
 
     @intrinsic
     def float_dot(typingctx, grid, src, x, blocks):
-        if not (_u64_table(grid) and _byte_array(src) and _float_array(x)):
+        if not (table(grid) and _byte_array(src) and _float_array(x)):
             return None
 
         def codegen(context, builder, sig, args):
@@ -1091,7 +1096,7 @@ def _iq2_dots(reader, size, name):
                         xv = _load_vec(context, builder, x_ty, x_v, _at(builder, y, 64 * step), f32, 64)
                         part = builder.fmul(builder.sitofp(scaled, ir.VectorType(f32, 64)), xv, flags=_FL)
                         total = part if total is None else builder.fadd(total, part, flags=_FL)
-                    d8 = builder.fmul(_half_at(context, builder, src_ty, src_v, o), ir.Constant(f32, 0.125))
+                    d8 = builder.fmul(_half_at(context, builder, src_ty, src_v, o), ir.Constant(f32, d_factor))
                     out.append((_fold16(builder, total), d8))
                 return out
             return _paired_blocks(context, builder, args[3], terms)
@@ -1100,32 +1105,33 @@ def _iq2_dots(reader, size, name):
     return int_dot, float_dot
 
 
-def _iq2_xxs_blocks(context, builder, grid_ty, grid, blocks):
-    """The steps of the IQ2_XXS blocks at src[o] for (src type, src, o) in blocks (66 bytes each: fp16 d, then per
-    32 values four grid-point bytes and a uint32 of four 7-bit sign indices and a 4-bit scale s at bits 28-31), as
-    _iq2_xs_blocks gives them: per 64 values the grid magnitudes (a load per point from grid, uint64 [256], 8 byte
-    magnitudes each), the negative lanes (ggml's ksigns: the 7 bits and their parity, _sign_bytes) and the scales
-    2 s + 1 of its four runs of 16."""
-    i16 = ir.IntType(16)
-    v8 = ir.VectorType(_I64, 8)
-    grid_data = _data(context, builder, grid_ty, grid)
+def _xxs_blocks(context, builder, grid_ty, grid, blocks, aux, point_at, point_bits):
+    """The steps of IQ2_XXS or IQ3_XXS blocks at src[o] for (src type, src, o) in blocks, as _iq2_xs_blocks gives
+    them: per 64 values the grid magnitudes (a load per point from grid, each point's byte magnitudes in a
+    point_bits-wide integer; point_at(s, k): the byte offset in the block of step s's point k's index), the
+    negative lanes and the scales 2 s + 1 of its four runs of 16. aux(src type, src, o): the block's eight uint32
+    words, one per 32 values, of four 7-bit sign indices (ggml's ksigns: the 7 bits and their parity,
+    _sign_bytes) and a 4-bit scale s at bits 28-31."""
+    i16, point_ty = ir.IntType(16), ir.IntType(point_bits)
+    points = 512 // point_bits  # a step's 64 values
+    vp = ir.VectorType(point_ty, points)
+    grid_data = builder.bitcast(_data(context, builder, grid_ty, grid), point_ty.as_pointer())
     steppers = []
     for src_ty, src, o in blocks:
-        words = _load_vec(context, builder, src_ty, src, _at(builder, o, 2), _I32, 16)
-        aux = _shuffle(builder, words, [2 * ib + 1 for ib in range(8)])  # sign indices and scale per 32 values
-        fields = builder.and_(builder.lshr(_shuffle(builder, aux, [g // 4 for g in range(32)]),
+        words = aux(src_ty, src, o)
+        fields = builder.and_(builder.lshr(_shuffle(builder, words, [g // 4 for g in range(32)]),
                                            _vec_const(32, [7 * (g % 4) for g in range(32)])),
                               _vec_const(32, [127] * 32))
         signs = _sign_bytes(builder, builder.shl(builder.trunc(fields, ir.VectorType(i16, 32)),
                                                  _vec_const(16, [9] * 32)), 32)
-        odd = builder.trunc(builder.add(builder.shl(builder.lshr(aux, _vec_const(32, [28] * 8)),
+        odd = builder.trunc(builder.add(builder.shl(builder.lshr(words, _vec_const(32, [28] * 8)),
                                                     _vec_const(32, [1] * 8)), _vec_const(32, [1] * 8)),
                             ir.VectorType(i16, 8))
 
         def step(s, src_ty=src_ty, src=src, o=o, signs=signs, odd=odd):
-            v = ir.Constant(v8, ir.Undefined)
-            for k in range(8):  # group k of the step: sub-block 2 s + k // 4, its point k % 4
-                at = _at(builder, o, 2 + 8 * (2 * s + k // 4) + k % 4)
+            v = ir.Constant(vp, ir.Undefined)
+            for k in range(points):
+                at = _at(builder, o, point_at(s, k))
                 index = builder.zext(builder.load(_pointer(context, builder, src_ty, src, at, _I8)), _I64)
                 v = builder.insert_element(v, builder.load(builder.gep(grid_data, [index])), ir.Constant(_I32, k))
             return (builder.bitcast(v, ir.VectorType(_I8, 64)), _sign_masks(builder, signs, 8 * s, 8),
@@ -1134,8 +1140,27 @@ def _iq2_xxs_blocks(context, builder, grid_ty, grid, blocks):
     return steppers
 
 
+def _iq2_xxs_blocks(context, builder, grid_ty, grid, blocks):
+    """_xxs_blocks of IQ2_XXS blocks (66 bytes: fp16 d, then per 32 values four grid-point bytes and the aux
+    word), grid uint64 [256]: each point's 8 byte magnitudes."""
+    def aux(src_ty, src, o):
+        words = _load_vec(context, builder, src_ty, src, _at(builder, o, 2), _I32, 16)
+        return _shuffle(builder, words, [2 * ib + 1 for ib in range(8)])
+    return _xxs_blocks(context, builder, grid_ty, grid, blocks, aux,
+                       lambda s, k: 2 + 8 * (2 * s + k // 4) + k % 4, 64)  # group k: sub-block 2 s + k // 4
+
+
+def _iq3_xxs_blocks(context, builder, grid_ty, grid, blocks):
+    """_xxs_blocks of IQ3_XXS blocks (98 bytes: fp16 d, 64 grid-point bytes, then the eight aux words), grid
+    uint32 [256]: each point's 4 byte magnitudes."""
+    def aux(src_ty, src, o):
+        return _load_vec(context, builder, src_ty, src, _at(builder, o, 66), _I32, 8)
+    return _xxs_blocks(context, builder, grid_ty, grid, blocks, aux, lambda s, k: 2 + 16 * s + k, 32)
+
+
 fdot_iq2_xs_blocks, fdot_iq2_xs_row = _iq2_dots(_iq2_xs_blocks, 74, "iq2_xs")
 fdot_iq2_xxs_blocks, fdot_iq2_xxs_row = _iq2_dots(_iq2_xxs_blocks, 66, "iq2_xxs")
+fdot_iq3_xxs_blocks, fdot_iq3_xxs_row = _iq2_dots(_iq3_xxs_blocks, 98, "iq3_xxs", d_factor=0.25, table=_u32_table)
 
 
 def _reduce_fadd(builder, vec, n):

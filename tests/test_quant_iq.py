@@ -106,13 +106,15 @@ def test_quantized_activations_match_q8_k(name, rng):
         assert_product_close(quant.matvec(w, ggml_type, x[0], act_quant=True), w64, x_q8[0])
 
 
-def test_iq2_xxs_integer_dot_without_avx512_matches_float64(rng):
-    """The IQ2_XXS integer dot's portable loop (CPUs without AVX-512BW; this one may take the vector path in matvec):
-    rows against float64 of gguf's weights times the activations their Q8_K codes stand for."""
+@pytest.mark.parametrize("name", ["IQ2_XXS", "IQ3_XXS"])
+def test_xxs_integer_dot_without_avx512_matches_float64(name, rng):
+    """The IQ2_XXS and IQ3_XXS integer dots' portable loop (CPUs without AVX-512BW; this one may take the vector
+    path in matvec): rows against float64 of gguf's weights times the activations their Q8_K codes stand for."""
+    loop = getattr(quant_iq, f"idot_{name.lower()}_loop")
     for k in (256, 768):
-        w = random_rows(rng, "IQ2_XXS", 3, k)
-        w64 = reference_weights(w, "IQ2_XXS")
+        w = random_rows(rng, name, 3, k)
+        w64 = reference_weights(w, name)
         xq, xd, xs16 = quant_int.q8_activations(rng.standard_normal(k).astype(np.float32), 256)
         x64 = xq.astype(np.float64) * np.repeat(xd.astype(np.float64), 256)
-        got = np.array([quant_iq.idot_iq2_xxs_loop(w[r], xq, xd, xs16) for r in range(3)], np.float32)
+        got = np.array([loop(w[r], xq, xd, xs16) for r in range(3)], np.float32)
         assert_product_close(got, w64, x64)
