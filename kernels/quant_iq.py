@@ -16,7 +16,8 @@ from .ggml_blocks import f16, half_to_float, u16, u32
 from .quant import register_type
 from .simd import (HAS_AVX512BW, HAS_F16C, IQ2_XS_MAGNITUDES, IQ2_XS_POINTS, dequant_iq2_xs_block,
                    fdot_iq2_xs_blocks, fdot_iq2_xs_row, fdot_iq2_xxs_blocks, fdot_iq2_xxs_row, fdot_iq3_xxs_blocks,
-                   fdot_iq3_xxs_row, idot_iq2_xs_block)
+                   fdot_iq3_xxs_row, fdot_iq2_s_blocks, fdot_iq2_s_row, fdot_iq3_s_blocks, fdot_iq3_s_row,
+                   idot_iq2_xs_block)
 
 IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M = 16, 17, 18, 19, 21, 22, 29
 _QK = 256
@@ -63,6 +64,10 @@ _IQ2XXS_POINTS = np.ascontiguousarray(_IQ2XXS_GRID.astype(np.uint8)).view(np.uin
 # IQ3_XXS's: each point's 4 byte magnitudes (4 to 62) in a uint32.
 _IQ3XXS_POINTS = np.ascontiguousarray(_IQ3XXS_GRID.astype(np.uint8)).view(np.uint32).reshape(-1)
 _IQ2XXS_INT_GRID, _IQ3XXS_INT_GRID = _IQ2XXS_GRID.astype(np.int32), _IQ3XXS_GRID.astype(np.int32)
+# IQ2_S's and IQ3_S's, the same way (a uint64 of 8 magnitudes, a uint32 of 4)
+_IQ2S_POINTS = np.ascontiguousarray(_IQ2S_GRID.astype(np.uint8)).view(np.uint64).reshape(-1)
+_IQ3S_POINTS = np.ascontiguousarray(_IQ3S_GRID.astype(np.uint8)).view(np.uint32).reshape(-1)
+_IQ2S_INT_GRID, _IQ3S_INT_GRID = _IQ2S_GRID.astype(np.int32), _IQ3S_GRID.astype(np.int32)
 _SIGN8_INT = _SIGN8.astype(np.int32)
 
 
@@ -240,12 +245,6 @@ def idot_iq2_xs(src, xq, xd, xs16):
 
 
 @numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
-def dot_iq2_xxs(src, x, xsum32):
-    """One IQ2_XXS row times float32 x, straight from the blocks: per 256 d / 8 * sum (2 s + 1) value x."""
-    return fdot_iq2_xxs_row(_IQ2XXS_POINTS, src, x, x.shape[0] // _QK)
-
-
-@numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
 def _xxs_loop(src, xq, xd, size, aux0, aux_step, grid, factor):
     """The integer dot of IQ2_XXS or IQ3_XXS rows (blocks of `size` bytes: fp16 d, then per 32 values ib the grid
     indices at bytes 2 + 8 ib.., its aux word at aux0 + aux_step ib: four 7-bit sign indices through ksigns and
@@ -286,22 +285,64 @@ def idot_iq3_xxs_loop(src, xq, xd, xs16):
 
 
 @numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
-def idot_iq2_xxs(src, xq, xd, xs16):
-    """One IQ2_XXS row times Q8_K activations (fdot_iq2_xxs_blocks with AVX-512BW)."""
-    if HAS_AVX512BW and HAS_F16C:
-        return fdot_iq2_xxs_blocks(_IQ2XXS_POINTS, src, xq, xd, xq.shape[0] // _QK)
-    return idot_iq2_xxs_loop(src, xq, xd, xs16)
+def _s_loop(src, xq, xd, size, grid, high_bits, sign0, scale0, groups_per_scale, factor):
+    """The integer dot of IQ2_S or IQ3_S rows with Q8_K activations, for CPUs without AVX-512BW. A block (`size`
+    bytes): fp16 d; the grid indices' low bytes at byte 2 + point, their high_bits high bits packed from byte 66
+    (8 / high_bits points a byte, the first in the low bits); group g's sign byte at sign0 + g (bit j: value j);
+    4-bit scales s from byte scale0, two a byte (low nibble first), one per groups_per_scale groups of 8 values.
+    Per run (2 s + 1) times the signed grid values (grid: [points, values a point] int32) dotted with the codes,
+    per 256 d xd factor (ggml's vec_dot_iq2_s_q8_K, vec_dot_iq3_s_q8_K)."""
+    n = grid.shape[1]
+    per_group = 8 // n  # points per 8 values
+    per_byte = 8 // high_bits
+    acc = np.float32(0.0)
+    for b in range(xq.shape[0] // _QK):
+        o = b * size
+        isum = 0
+        for g in range(32):
+            signs = src[o + sign0 + g]
+            s = 0
+            for p in range(per_group):
+                i = per_group * g + p
+                high = (np.int32(src[o + 66 + i // per_byte]) >> (high_bits * (i % per_byte))) & ((1 << high_bits) - 1)
+                point = np.int32(src[o + 2 + i]) | (high << 8)
+                y = b * _QK + 8 * g + n * p
+                for j in range(n):
+                    s += grid[point, j] * _SIGN8_INT[signs, n * p + j] * np.int32(xq[y + j])
+            r = g // groups_per_scale
+            isum += (2 * ((np.int32(src[o + scale0 + r // 2]) >> (4 * (r % 2))) & 15) + 1) * s
+        acc += f16(src, o) * xd[b] * np.float32(isum)
+    return acc * np.float32(factor)
 
 
-@numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
-def dot_iq3_xxs(src, x, xsum32):
-    """One IQ3_XXS row times float32 x, straight from the blocks: per 256 d / 4 * sum (2 s + 1) value x."""
-    return fdot_iq3_xxs_row(_IQ3XXS_POINTS, src, x, x.shape[0] // _QK)
+@numba.njit(nogil=True, cache=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
+def idot_iq2_s_loop(src, xq, xd, xs16):
+    """idot_iq2_s without AVX-512BW (_s_loop): a scale per 16 values, d (0.5 + s) / 4 is d (2 s + 1) / 8."""
+    return _s_loop(src, xq, xd, 82, _IQ2S_INT_GRID, 2, 34, 74, 2, 0.125)
 
 
-@numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
-def idot_iq3_xxs(src, xq, xd, xs16):
-    """One IQ3_XXS row times Q8_K activations (fdot_iq3_xxs_blocks with AVX-512BW)."""
-    if HAS_AVX512BW and HAS_F16C:
-        return fdot_iq3_xxs_blocks(_IQ3XXS_POINTS, src, xq, xd, xq.shape[0] // _QK)
-    return idot_iq3_xxs_loop(src, xq, xd, xs16)
+@numba.njit(nogil=True, cache=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
+def idot_iq3_s_loop(src, xq, xd, xs16):
+    """idot_iq3_s without AVX-512BW (_s_loop): a scale per 32 values, d (2 s + 1)."""
+    return _s_loop(src, xq, xd, 110, _IQ3S_INT_GRID, 1, 74, 106, 4, 1.0)
+
+
+def _grid_row_dots(points, int_blocks, float_row, loop):
+    """The float (src, x, xsum32) and integer (src, xq, xd, xs16) row dots of an i-quant read a point at a time
+    (simd._iq2_dots' dots over the grid `points`), the integer one by its portable loop without AVX-512BW."""
+    @numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
+    def dot(src, x, xsum32):
+        return float_row(points, src, x, x.shape[0] // _QK)
+
+    @numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
+    def idot(src, xq, xd, xs16):
+        if HAS_AVX512BW and HAS_F16C:
+            return int_blocks(points, src, xq, xd, xq.shape[0] // _QK)
+        return loop(src, xq, xd, xs16)
+    return dot, idot
+
+
+dot_iq2_xxs, idot_iq2_xxs = _grid_row_dots(_IQ2XXS_POINTS, fdot_iq2_xxs_blocks, fdot_iq2_xxs_row, idot_iq2_xxs_loop)
+dot_iq3_xxs, idot_iq3_xxs = _grid_row_dots(_IQ3XXS_POINTS, fdot_iq3_xxs_blocks, fdot_iq3_xxs_row, idot_iq3_xxs_loop)
+dot_iq2_s, idot_iq2_s = _grid_row_dots(_IQ2S_POINTS, fdot_iq2_s_blocks, fdot_iq2_s_row, idot_iq2_s_loop)
+dot_iq3_s, idot_iq3_s = _grid_row_dots(_IQ3S_POINTS, fdot_iq3_s_blocks, fdot_iq3_s_row, idot_iq3_s_loop)

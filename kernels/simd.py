@@ -858,10 +858,7 @@ def _iq2_xs_blocks(context, builder, grid_ty, grid, blocks, offset=None):
             parts.append(steps)
 
     def stepper(src_ty, src, o, steps):
-        sb = builder.zext(_load(context, builder, src_ty, src, _at(builder, o, 66), 8), ir.VectorType(i16, 8))
-        nibs = builder.and_(builder.lshr(_shuffle(builder, sb, [j // 2 for j in range(16)]),
-                                         _vec_const(16, [0, 4] * 8)), _vec_const(16, [15] * 16))
-        odd = builder.add(builder.shl(nibs, _vec_const(16, [1] * 16)), _vec_const(16, [1] * 16))
+        odd = _nibble_odd16(context, builder, src_ty, src, o, 66, 8)
 
         def step(s):
             return steps[s][0], steps[s][1], _shuffle(builder, odd, [4 * s + k for k in range(4)])
@@ -1105,17 +1102,36 @@ def _iq2_dots(reader, size, name, d_factor=0.125, table=_u64_table):
     return int_dot, float_dot
 
 
-def _xxs_blocks(context, builder, grid_ty, grid, blocks, aux, point_at, point_bits):
-    """The steps of IQ2_XXS or IQ3_XXS blocks at src[o] for (src type, src, o) in blocks, as _iq2_xs_blocks gives
-    them: per 64 values the grid magnitudes (a load per point from grid, each point's byte magnitudes in a
-    point_bits-wide integer; point_at(s, k): the byte offset in the block of step s's point k's index), the
-    negative lanes and the scales 2 s + 1 of its four runs of 16. aux(src type, src, o): the block's eight uint32
-    words, one per 32 values, of four 7-bit sign indices (ggml's ksigns: the 7 bits and their parity,
-    _sign_bytes) and a 4-bit scale s at bits 28-31."""
-    i16, point_ty = ir.IntType(16), ir.IntType(point_bits)
+def _grid_steps(context, builder, grid_ty, grid, point_bits, index, signs, odd):
+    """The step function of one i-quant block read a point at a time, as _iq2_xs_blocks' blocks give their steps:
+    step s -> (the grid magnitudes of values 64 s .. 64 s + 63 as <64 x i8>, their negative lanes, the scales
+    2 s + 1 of their four runs of 16 as <4 x i16>). grid: each point's byte magnitudes in a point_bits-wide integer
+    (a load per point); index(s, k): step s's point k's grid index (an i64); signs: the block's 32 sign bytes
+    (<32 x i8>, bit j of byte g the sign of group g's value j); odd: its 16 run scales (<16 x i16>)."""
+    point_ty = ir.IntType(point_bits)
     points = 512 // point_bits  # a step's 64 values
-    vp = ir.VectorType(point_ty, points)
     grid_data = builder.bitcast(_data(context, builder, grid_ty, grid), point_ty.as_pointer())
+
+    def step(s):
+        v = ir.Constant(ir.VectorType(point_ty, points), ir.Undefined)
+        for k in range(points):
+            v = builder.insert_element(v, builder.load(builder.gep(grid_data, [index(s, k)])), ir.Constant(_I32, k))
+        return (builder.bitcast(v, ir.VectorType(_I8, 64)), _sign_masks(builder, signs, 8 * s, 8),
+                _shuffle(builder, odd, [4 * s + k for k in range(4)]))
+    return step
+
+
+def _byte_at(context, builder, src_ty, src, o, k):
+    """src[o + k] zero-extended to an i64."""
+    return builder.zext(builder.load(_pointer(context, builder, src_ty, src, _at(builder, o, k), _I8)), _I64)
+
+
+def _xxs_blocks(context, builder, grid_ty, grid, blocks, aux, point_at, point_bits):
+    """The steps (_grid_steps) of IQ2_XXS or IQ3_XXS blocks at src[o] for (src type, src, o) in blocks.
+    point_at(s, k): the byte offset in the block of step s's point k's index; aux(src type, src, o): the block's
+    eight uint32 words, one per 32 values, of four 7-bit sign indices (ggml's ksigns: the 7 bits and their parity,
+    _sign_bytes) and a 4-bit scale s at bits 28-31."""
+    i16 = ir.IntType(16)
     steppers = []
     for src_ty, src, o in blocks:
         words = aux(src_ty, src, o)
@@ -1128,15 +1144,10 @@ def _xxs_blocks(context, builder, grid_ty, grid, blocks, aux, point_at, point_bi
                                                     _vec_const(32, [1] * 8)), _vec_const(32, [1] * 8)),
                             ir.VectorType(i16, 8))
 
-        def step(s, src_ty=src_ty, src=src, o=o, signs=signs, odd=odd):
-            v = ir.Constant(vp, ir.Undefined)
-            for k in range(points):
-                at = _at(builder, o, point_at(s, k))
-                index = builder.zext(builder.load(_pointer(context, builder, src_ty, src, at, _I8)), _I64)
-                v = builder.insert_element(v, builder.load(builder.gep(grid_data, [index])), ir.Constant(_I32, k))
-            return (builder.bitcast(v, ir.VectorType(_I8, 64)), _sign_masks(builder, signs, 8 * s, 8),
-                    _shuffle(builder, odd, [2 * s, 2 * s, 2 * s + 1, 2 * s + 1]))
-        steppers.append(step)
+        def index(s, k, src_ty=src_ty, src=src, o=o):
+            return _byte_at(context, builder, src_ty, src, o, point_at(s, k))
+        steppers.append(_grid_steps(context, builder, grid_ty, grid, point_bits, index, signs,
+                                    _shuffle(builder, odd, [j // 2 for j in range(16)])))
     return steppers
 
 
@@ -1158,9 +1169,57 @@ def _iq3_xxs_blocks(context, builder, grid_ty, grid, blocks):
     return _xxs_blocks(context, builder, grid_ty, grid, blocks, aux, lambda s, k: 2 + 16 * s + k, 32)
 
 
+def _nibble_odd16(context, builder, src_ty, src, o, first, n):
+    """2 s + 1 for the 4-bit scales s of the n bytes at src[o + first] (byte i's low nibble first), as <2 n x i16>."""
+    i16 = ir.IntType(16)
+    sb = builder.zext(_load(context, builder, src_ty, src, _at(builder, o, first), n), ir.VectorType(i16, n))
+    nibs = builder.and_(builder.lshr(_shuffle(builder, sb, [j // 2 for j in range(2 * n)]),
+                                     _vec_const(16, [0, 4] * n)), _vec_const(16, [15] * (2 * n)))
+    return builder.add(builder.shl(nibs, _vec_const(16, [1] * (2 * n))), _vec_const(16, [1] * (2 * n)))
+
+
+def _iq2_s_blocks(context, builder, grid_ty, grid, blocks):
+    """The steps (_grid_steps) of IQ2_S blocks (82 bytes: fp16 d, 32 grid-index low bytes, 32 sign bytes, 8 qh
+    bytes with the index's two high bits of group 4 i + l at bits 2 l of byte i, 8 scale bytes: a 4-bit scale
+    per 16 values), grid uint64 [1024]: each point's 8 byte magnitudes."""
+    steppers = []
+    for src_ty, src, o in blocks:
+        def index(s, k, src_ty=src_ty, src=src, o=o):
+            g = 8 * s + k
+            high = builder.and_(builder.lshr(_byte_at(context, builder, src_ty, src, o, 66 + g // 4),
+                                             ir.Constant(_I64, 2 * (g % 4))), ir.Constant(_I64, 3))
+            low = _byte_at(context, builder, src_ty, src, o, 2 + g)
+            return builder.or_(low, builder.shl(high, ir.Constant(_I64, 8)))
+        signs = _load(context, builder, src_ty, src, _at(builder, o, 34), 32)
+        steppers.append(_grid_steps(context, builder, grid_ty, grid, 64, index, signs,
+                                    _nibble_odd16(context, builder, src_ty, src, o, 74, 8)))
+    return steppers
+
+
+def _iq3_s_blocks(context, builder, grid_ty, grid, blocks):
+    """The steps (_grid_steps) of IQ3_S blocks (110 bytes: fp16 d, 64 grid-index low bytes, 8 qh bytes with point
+    8 i + j's ninth index bit at bit j of byte i, 32 sign bytes, 4 scale bytes: a 4-bit scale per 32 values),
+    grid uint32 [512]: each point's 4 byte magnitudes. The block's value is d (2 s + 1) times the grid's."""
+    steppers = []
+    for src_ty, src, o in blocks:
+        def index(s, k, src_ty=src_ty, src=src, o=o):
+            p = 16 * s + k
+            high = builder.and_(builder.lshr(_byte_at(context, builder, src_ty, src, o, 66 + p // 8),
+                                             ir.Constant(_I64, p % 8)), ir.Constant(_I64, 1))
+            low = _byte_at(context, builder, src_ty, src, o, 2 + p)
+            return builder.or_(low, builder.shl(high, ir.Constant(_I64, 8)))
+        signs = _load(context, builder, src_ty, src, _at(builder, o, 74), 32)
+        odd8 = _nibble_odd16(context, builder, src_ty, src, o, 106, 4)  # one scale per 32 values
+        steppers.append(_grid_steps(context, builder, grid_ty, grid, 32, index, signs,
+                                    _shuffle(builder, odd8, [j // 2 for j in range(16)])))
+    return steppers
+
+
 fdot_iq2_xs_blocks, fdot_iq2_xs_row = _iq2_dots(_iq2_xs_blocks, 74, "iq2_xs")
 fdot_iq2_xxs_blocks, fdot_iq2_xxs_row = _iq2_dots(_iq2_xxs_blocks, 66, "iq2_xxs")
 fdot_iq3_xxs_blocks, fdot_iq3_xxs_row = _iq2_dots(_iq3_xxs_blocks, 98, "iq3_xxs", d_factor=0.25, table=_u32_table)
+fdot_iq2_s_blocks, fdot_iq2_s_row = _iq2_dots(_iq2_s_blocks, 82, "iq2_s")
+fdot_iq3_s_blocks, fdot_iq3_s_row = _iq2_dots(_iq3_s_blocks, 110, "iq3_s", d_factor=1.0, table=_u32_table)
 
 
 def _reduce_fadd(builder, vec, n):

@@ -106,10 +106,10 @@ def test_quantized_activations_match_q8_k(name, rng):
         assert_product_close(quant.matvec(w, ggml_type, x[0], act_quant=True), w64, x_q8[0])
 
 
-@pytest.mark.parametrize("name", ["IQ2_XXS", "IQ3_XXS"])
-def test_xxs_integer_dot_without_avx512_matches_float64(name, rng):
-    """The IQ2_XXS and IQ3_XXS integer dots' portable loop (CPUs without AVX-512BW; this one may take the vector
-    path in matvec): rows against float64 of gguf's weights times the activations their Q8_K codes stand for."""
+@pytest.mark.parametrize("name", ["IQ2_XXS", "IQ3_XXS", "IQ2_S", "IQ3_S"])
+def test_integer_dot_without_avx512_matches_float64(name, rng):
+    """The i-quants' portable integer loops (CPUs without AVX-512BW; this one may take the vector path in matvec):
+    rows against float64 of gguf's weights times the activations their Q8_K codes stand for."""
     loop = getattr(quant_iq, f"idot_{name.lower()}_loop")
     for k in (256, 768):
         w = random_rows(rng, name, 3, k)
