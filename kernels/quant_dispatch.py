@@ -11,8 +11,8 @@ import numpy as np
 from .quant_float import BF16, F16, F32, dequant_bf16, dequant_f16, dequant_f32, dot_bf16, dot_f16
 from .quant_iq import (IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, dequant_iq1_m, dequant_iq1_s,
                        dequant_iq2_s, dequant_iq2_xs, dequant_iq2_xxs, dequant_iq3_s, dequant_iq3_xxs, dot_iq2_xs,
-                       dot_iq2_s, dot_iq2_xxs, dot_iq3_s, dot_iq3_xxs, idot_iq2_s, idot_iq2_xs, idot_iq2_xxs,
-                       idot_iq3_s, idot_iq3_xxs)
+                       dot_iq1_m, dot_iq1_s, dot_iq2_s, dot_iq2_xxs, dot_iq3_s, dot_iq3_xxs, idot_iq1_m, idot_iq1_s,
+                       idot_iq2_s, idot_iq2_xs, idot_iq2_xxs, idot_iq3_s, idot_iq3_xxs)
 from .quant_k import (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, dequant_q2_k, dequant_q3_k, dequant_q4_k, dequant_q5_k,
                       dequant_q6_k, dot_q2_k, dot_q3_k)
 from .quant_legacy import (Q2_0, Q4_0, Q4_1, Q5_0, Q5_1, dequant_q2_0, dequant_q4_0, dequant_q4_1, dequant_q5_0,
@@ -155,7 +155,7 @@ def has_fused_dot(t):
     """Types whose rows are dotted with the activations straight from the blocks (quant_dot, quant_iq,
     quant_k, quant_legacy, quant_nl), F32, F16 and BF16 rows straight from their bytes (quant_float)."""
     return (t == Q8_0 or t == Q3_K or t == Q4_K or t == Q5_K or t == Q6_K or t == IQ2_XS or t == IQ2_XXS
-            or t == IQ2_S or t == IQ3_XXS or t == IQ3_S or t == IQ4_NL
+            or t == IQ2_S or t == IQ3_XXS or t == IQ3_S or t == IQ1_S or t == IQ1_M or t == IQ4_NL
             or t == IQ4_XS or t == MXFP4 or t == Q4_0 or t == Q4_1 or t == Q5_0 or t == Q5_1 or t == Q2_K
             or t == Q2_0 or t == F32 or t == F16 or t == BF16)
 
@@ -220,6 +220,10 @@ def float_dots(t, w, r0, r1, x, xsum32, scratch, out, o0):
         _fused_rows(dot_iq2_s, w, r0, r1, x, xsum32, out, o0)
     elif t == IQ3_S:
         _fused_rows(dot_iq3_s, w, r0, r1, x, xsum32, out, o0)
+    elif t == IQ1_S:
+        _fused_rows(dot_iq1_s, w, r0, r1, x, xsum32, out, o0)
+    elif t == IQ1_M:
+        _fused_rows(dot_iq1_m, w, r0, r1, x, xsum32, out, o0)
     elif t == Q2_K:
         _fused_rows(dot_q2_k, w, r0, r1, x, xsum32, out, o0)
     elif t == Q2_0:
@@ -284,8 +288,8 @@ def matmul_rows(t, w, x, out):
 
 
 # Types with an integer dot product against ggml-quantized activations (int_dots' branches).
-INT_DOT_TYPES = frozenset({Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
-                           IQ3_S, IQ4_NL, IQ4_XS, MXFP4, Q2_K, Q2_0})
+INT_DOT_TYPES = frozenset({Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S,
+                           IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS, MXFP4, Q2_K, Q2_0})
 
 
 def has_int_dot(t: int) -> bool:
@@ -337,6 +341,10 @@ def int_dots(t, w, r0, r1, xq, xd, xs16, out, o0):
         _int_rows(idot_iq2_s, w, r0, r1, xq, xd, xs16, out, o0)
     elif t == IQ3_S:
         _int_rows(idot_iq3_s, w, r0, r1, xq, xd, xs16, out, o0)
+    elif t == IQ1_S:
+        _int_rows(idot_iq1_s, w, r0, r1, xq, xd, xs16, out, o0)
+    elif t == IQ1_M:
+        _int_rows(idot_iq1_m, w, r0, r1, xq, xd, xs16, out, o0)
     elif t == Q2_K:
         _int_rows(idot_q2_k, w, r0, r1, xq, xd, xs16, out, o0)
     elif t == Q2_0:

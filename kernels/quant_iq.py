@@ -17,7 +17,7 @@ from .quant import register_type
 from .simd import (HAS_AVX512BW, HAS_F16C, IQ2_XS_MAGNITUDES, IQ2_XS_POINTS, dequant_iq2_xs_block,
                    fdot_iq2_xs_blocks, fdot_iq2_xs_row, fdot_iq2_xxs_blocks, fdot_iq2_xxs_row, fdot_iq3_xxs_blocks,
                    fdot_iq3_xxs_row, fdot_iq2_s_blocks, fdot_iq2_s_row, fdot_iq3_s_blocks, fdot_iq3_s_row,
-                   idot_iq2_xs_block)
+                   fdot_iq1_s_blocks, fdot_iq1_s_row, fdot_iq1_m_blocks, fdot_iq1_m_row, idot_iq2_xs_block)
 
 IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M = 16, 17, 18, 19, 21, 22, 29
 _QK = 256
@@ -68,6 +68,9 @@ _IQ2XXS_INT_GRID, _IQ3XXS_INT_GRID = _IQ2XXS_GRID.astype(np.int32), _IQ3XXS_GRID
 _IQ2S_POINTS = np.ascontiguousarray(_IQ2S_GRID.astype(np.uint8)).view(np.uint64).reshape(-1)
 _IQ3S_POINTS = np.ascontiguousarray(_IQ3S_GRID.astype(np.uint8)).view(np.uint32).reshape(-1)
 _IQ2S_INT_GRID, _IQ3S_INT_GRID = _IQ2S_GRID.astype(np.int32), _IQ3S_GRID.astype(np.int32)
+# IQ1_S's and IQ1_M's: each point's 8 values (-1, 0, 1) as int8 bytes of a uint64
+_IQ1S_POINTS = np.ascontiguousarray(_IQ1S_GRID.astype(np.int8)).view(np.uint64).reshape(-1)
+_IQ1S_INT_GRID = _IQ1S_GRID.astype(np.int32)
 _SIGN8_INT = _SIGN8.astype(np.int32)
 
 
@@ -327,6 +330,54 @@ def idot_iq3_s_loop(src, xq, xd, xs16):
     return _s_loop(src, xq, xd, 110, _IQ3S_INT_GRID, 1, 74, 106, 4, 1.0)
 
 
+@numba.njit(nogil=True, cache=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
+def idot_iq1_s_loop(src, xq, xd, xs16):
+    """idot_iq1_s without AVX-512BW: per 32 values ib (2 s + 1) (8 grid . x +- sum x), per 256 d xd / 8 (ggml's
+    vec_dot_iq1_s_q8_K, with its delta of 1/8 taken as the integer 1 against 8 times the grid)."""
+    acc = np.float32(0.0)
+    for b in range(xq.shape[0] // _QK):
+        o = b * 50
+        isum = 0
+        for ib in range(8):
+            qh = np.int32(u16(src, o + 34 + 2 * ib))
+            s = 0
+            for l in range(4):
+                point = np.int32(src[o + 2 + 4 * ib + l]) | (((qh >> (3 * l)) & 7) << 8)
+                for j in range(8):
+                    s += _IQ1S_INT_GRID[point, j] * np.int32(xq[b * _QK + 32 * ib + 8 * l + j])
+            sum_x = xs16[16 * b + 2 * ib] + xs16[16 * b + 2 * ib + 1]
+            isum += (2 * ((qh >> 12) & 7) + 1) * (8 * s + (-sum_x if qh & 0x8000 else sum_x))
+        acc += f16(src, o) * xd[b] * np.float32(isum)
+    return acc * np.float32(0.125)
+
+
+@numba.njit(nogil=True, cache=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
+def idot_iq1_m_loop(src, xq, xd, xs16):
+    """idot_iq1_m without AVX-512BW: per 16 values (2 s + 1) times, per 8, 8 grid . x +- sum x; per 256 d xd / 8
+    (ggml's vec_dot_iq1_m_q8_K)."""
+    acc = np.float32(0.0)
+    for b in range(xq.shape[0] // _QK):
+        o = b * 56
+        s0, s1 = np.int32(u16(src, o + 48)), np.int32(u16(src, o + 50))
+        s2, s3 = np.int32(u16(src, o + 52)), np.int32(u16(src, o + 54))
+        d = half_to_float((s0 >> 12) | ((s1 >> 8) & 0x00F0) | ((s2 >> 4) & 0x0F00) | (s3 & 0xF000))
+        isum = 0
+        for g in range(32):
+            r = g // 2  # run of 16
+            qh = np.int32(src[o + 32 + g // 2]) >> (4 * (g % 2))
+            point = np.int32(src[o + g]) | ((qh & 7) << 8)
+            s = 0
+            sum_x = 0
+            for j in range(8):
+                x = np.int32(xq[b * _QK + 8 * g + j])
+                s += _IQ1S_INT_GRID[point, j] * x
+                sum_x += x
+            ls = 2 * ((np.int32(u16(src, o + 48 + 2 * (r // 4))) >> (3 * (r % 4))) & 7) + 1
+            isum += ls * (8 * s + (-sum_x if qh & 8 else sum_x))
+        acc += d * xd[b] * np.float32(isum)
+    return acc * np.float32(0.125)
+
+
 def _grid_row_dots(points, int_blocks, float_row, loop):
     """The float (src, x, xsum32) and integer (src, xq, xd, xs16) row dots of an i-quant read a point at a time
     (simd._iq2_dots' dots over the grid `points`), the integer one by its portable loop without AVX-512BW."""
@@ -346,3 +397,5 @@ dot_iq2_xxs, idot_iq2_xxs = _grid_row_dots(_IQ2XXS_POINTS, fdot_iq2_xxs_blocks, 
 dot_iq3_xxs, idot_iq3_xxs = _grid_row_dots(_IQ3XXS_POINTS, fdot_iq3_xxs_blocks, fdot_iq3_xxs_row, idot_iq3_xxs_loop)
 dot_iq2_s, idot_iq2_s = _grid_row_dots(_IQ2S_POINTS, fdot_iq2_s_blocks, fdot_iq2_s_row, idot_iq2_s_loop)
 dot_iq3_s, idot_iq3_s = _grid_row_dots(_IQ3S_POINTS, fdot_iq3_s_blocks, fdot_iq3_s_row, idot_iq3_s_loop)
+dot_iq1_s, idot_iq1_s = _grid_row_dots(_IQ1S_POINTS, fdot_iq1_s_blocks, fdot_iq1_s_row, idot_iq1_s_loop)
+dot_iq1_m, idot_iq1_m = _grid_row_dots(_IQ1S_POINTS, fdot_iq1_m_blocks, fdot_iq1_m_row, idot_iq1_m_loop)

@@ -1036,11 +1036,12 @@ def _paired_blocks(context, builder, blocks, terms):
     return builder.load(total)
 
 
-def _iq2_dots(reader, size, name, d_factor=0.125, table=_u64_table):
+def _iq2_dots(reader, size, name, d_factor=0.125, table=_u64_table, d_at=None):
     """The integer and float row dots of an i-quant whose blocks (`size` bytes, fp16 d first) reader reads into
     steps of (grid magnitudes, negative lanes, 2 s + 1 scales per 16 values), as _iq2_xs_blocks does: d d_factor
     times the block's sum (the 2-bit types' (0.5 + s) / 4 is (2 s + 1) / 8, IQ3_XXS's (0.5 + s) / 2 is
-    (2 s + 1) / 4); the grid a 1-D array that table() accepts.
+    (2 s + 1) / 4); the grid a 1-D array that table() accepts; d read by d_at(context, builder, src type, src, o)
+    where it is not the block's first two bytes.
 
     (grid, src, x, xd, blocks): sum over the first `blocks` blocks of a row of d_b d_factor xd[b] times the integer
     sum of the block with int8 x (_iq2_xs_lanes), in float lanes, two blocks a step (_paired_blocks; AVX-512BW
@@ -1050,6 +1051,8 @@ def _iq2_dots(reader, size, name, d_factor=0.125, table=_u64_table):
 
     (grid, src, x, blocks): the same with float32 x: value times run scale is an exact int16 product (|value| <= 62,
     2 s + 1 <= 31), converted once and multiplied with x in float lanes kept across the row."""
+    read_d = d_at or _half_at
+
     @intrinsic
     def int_dot(typingctx, grid, src, x, xd, blocks):
         if not (table(grid) and _byte_array(src) and _byte_array(x) and _float_array(xd)):
@@ -1063,7 +1066,7 @@ def _iq2_dots(reader, size, name, d_factor=0.125, table=_u64_table):
                 offsets = [builder.mul(b, ir.Constant(b.type, size)) for b in bs]
                 totals = _iq2_xs_lanes(context, builder, grid_ty, grid_v, src_ty, src_v, offsets, x_ty, x_v,
                                        [builder.mul(b, ir.Constant(b.type, 256)) for b in bs], reader)
-                d8 = [builder.fmul(_half_at(context, builder, src_ty, src_v, o), 
+                d8 = [builder.fmul(read_d(context, builder, src_ty, src_v, o),
                                    ir.Constant(ir.FloatType(), d_factor)) for o in offsets]
                 return [(t, builder.fmul(d, _elem(context, builder, xd_ty, xd_v, b)))
                         for t, d, b in zip(totals, d8, bs)]
@@ -1093,7 +1096,7 @@ def _iq2_dots(reader, size, name, d_factor=0.125, table=_u64_table):
                         xv = _load_vec(context, builder, x_ty, x_v, _at(builder, y, 64 * step), f32, 64)
                         part = builder.fmul(builder.sitofp(scaled, ir.VectorType(f32, 64)), xv, flags=_FL)
                         total = part if total is None else builder.fadd(total, part, flags=_FL)
-                    d8 = builder.fmul(_half_at(context, builder, src_ty, src_v, o), ir.Constant(f32, d_factor))
+                    d8 = builder.fmul(read_d(context, builder, src_ty, src_v, o), ir.Constant(f32, d_factor))
                     out.append((_fold16(builder, total), d8))
                 return out
             return _paired_blocks(context, builder, args[3], terms)
@@ -1215,11 +1218,112 @@ def _iq3_s_blocks(context, builder, grid_ty, grid, blocks):
     return steppers
 
 
+def _iq1_blocks(context, builder, grid_ty, grid, blocks, index, delta_neg, odd):
+    """The steps of IQ1_S or IQ1_M blocks at src[o] for (src type, src, o) in blocks, as _iq2_xs_blocks gives
+    them. A group of 8 values is a grid point of values in {-1, 0, 1} (grid: uint64 [2048], 8 int8 values each)
+    plus a delta of +-1/8: held as the integers 8 g +- 1 (magnitudes <= 9), so the dot's d factor is 1/8.
+    index(src type, src, o, g) and delta_neg(...): group g's grid index (i64) and whether its delta is negative
+    (i1); odd(src type, src, o): the 16 run scales 2 s + 1 (<16 x i16>)."""
+    v64 = ir.VectorType(_I8, 64)
+    v8 = ir.VectorType(_I64, 8)
+    grid_data = _data(context, builder, grid_ty, grid)
+    steppers = []
+    for src_ty, src, o in blocks:
+        runs = odd(src_ty, src, o)
+
+        def step(s, src_ty=src_ty, src=src, o=o, runs=runs):
+            v = ir.Constant(v8, ir.Undefined)
+            deltas = ir.Constant(ir.VectorType(_I8, 8), ir.Undefined)
+            for k in range(8):
+                g = 8 * s + k
+                v = builder.insert_element(v, builder.load(builder.gep(grid_data, [index(src_ty, src, o, g)])),
+                                           ir.Constant(_I32, k))
+                deltas = builder.insert_element(deltas, builder.select(delta_neg(src_ty, src, o, g),
+                                                                       ir.Constant(_I8, -1), ir.Constant(_I8, 1)),
+                                                ir.Constant(_I32, k))
+            w = builder.add(builder.shl(builder.bitcast(v, v64), _vec_const(8, [3] * 64)),
+                            _shuffle(builder, deltas, [j // 8 for j in range(64)]))
+            neg = builder.icmp_signed("<", w, ir.Constant(v64, [0] * 64))
+            return (_negate_where(builder, w, neg), neg, _shuffle(builder, runs, [4 * s + k for k in range(4)]))
+        steppers.append(step)
+    return steppers
+
+
+def _iq1_s_blocks(context, builder, grid_ty, grid, blocks):
+    """_iq1_blocks of IQ1_S blocks (50 bytes: fp16 d, 32 grid-index low bytes, then per 32 values ib a uint16 at
+    34 + 2 ib: bits 3 l .. 3 l + 2 group 4 ib + l's high index bits, bits 12-14 the scale, bit 15 the delta's
+    sign)."""
+    i16 = ir.IntType(16)
+
+    def qh(src_ty, src, o, ib):
+        return builder.zext(builder.load(_pointer(context, builder, src_ty, src, _at(builder, o, 34 + 2 * ib), i16),
+                                         align=1), _I64)
+
+    def index(src_ty, src, o, g):
+        high = builder.and_(builder.lshr(qh(src_ty, src, o, g // 4), ir.Constant(_I64, 3 * (g % 4))),
+                            ir.Constant(_I64, 7))
+        return builder.or_(_byte_at(context, builder, src_ty, src, o, 2 + g), builder.shl(high, ir.Constant(_I64, 8)))
+
+    def delta_neg(src_ty, src, o, g):
+        return builder.icmp_unsigned(">=", qh(src_ty, src, o, g // 4), ir.Constant(_I64, 0x8000))
+
+    def odd(src_ty, src, o):
+        words = _load_vec(context, builder, src_ty, src, _at(builder, o, 34), i16, 8)
+        scales = builder.and_(builder.lshr(words, _vec_const(16, [12] * 8)), _vec_const(16, [7] * 8))
+        ls = builder.add(builder.shl(scales, _vec_const(16, [1] * 8)), _vec_const(16, [1] * 8))
+        return _shuffle(builder, ls, [j // 2 for j in range(16)])  # one scale per 32 values
+    return _iq1_blocks(context, builder, grid_ty, grid, blocks, index, delta_neg, odd)
+
+
+def _iq1_m_blocks(context, builder, grid_ty, grid, blocks):
+    """_iq1_blocks of IQ1_M blocks (56 bytes: 32 grid-index low bytes; 16 qh bytes, byte i's low nibble for group
+    2 i and high nibble for 2 i + 1: bits 0-2 the index's high bits, bit 3 the delta's sign; four uint16 of
+    3-bit scales, one per 16 values, run r's at bits 3 (r % 4) of word r // 4; d in their top nibbles,
+    _iq1_m_d)."""
+    i16 = ir.IntType(16)
+
+    def nibble(src_ty, src, o, g):
+        return builder.lshr(_byte_at(context, builder, src_ty, src, o, 32 + g // 2), ir.Constant(_I64, 4 * (g % 2)))
+
+    def index(src_ty, src, o, g):
+        high = builder.and_(nibble(src_ty, src, o, g), ir.Constant(_I64, 7))
+        return builder.or_(_byte_at(context, builder, src_ty, src, o, g), builder.shl(high, ir.Constant(_I64, 8)))
+
+    def delta_neg(src_ty, src, o, g):
+        return builder.icmp_unsigned("!=", builder.and_(nibble(src_ty, src, o, g), ir.Constant(_I64, 8)),
+                                     ir.Constant(_I64, 0))
+
+    def odd(src_ty, src, o):
+        words = _load_vec(context, builder, src_ty, src, _at(builder, o, 48), i16, 4)
+        scales = builder.and_(builder.lshr(_shuffle(builder, words, [r // 4 for r in range(16)]),
+                                           _vec_const(16, [3 * (r % 4) for r in range(16)])), _vec_const(16, [7] * 16))
+        return builder.add(builder.shl(scales, _vec_const(16, [1] * 16)), _vec_const(16, [1] * 16))
+    return _iq1_blocks(context, builder, grid_ty, grid, blocks, index, delta_neg, odd)
+
+
+def _iq1_m_d(context, builder, src_ty, src, o):
+    """IQ1_M's fp16 d as float32: its four nibbles are the top nibbles of the block's four scale words."""
+    i16 = ir.IntType(16)
+    words = _load_vec(context, builder, src_ty, src, _at(builder, o, 48), i16, 4)
+    tops = builder.lshr(builder.and_(words, _vec_const(16, [0xF000] * 4)), _vec_const(16, [12, 8, 4, 0]))
+    bits = _reduce_or16(builder, tops)
+    return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType())
+
+
+def _reduce_or16(builder, vec):
+    """The OR of a <4 x i16>'s lanes."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(16), [vec.type]),
+                                        "llvm.vector.reduce.or.v4i16")
+    return builder.call(fn, [vec])
+
+
 fdot_iq2_xs_blocks, fdot_iq2_xs_row = _iq2_dots(_iq2_xs_blocks, 74, "iq2_xs")
 fdot_iq2_xxs_blocks, fdot_iq2_xxs_row = _iq2_dots(_iq2_xxs_blocks, 66, "iq2_xxs")
 fdot_iq3_xxs_blocks, fdot_iq3_xxs_row = _iq2_dots(_iq3_xxs_blocks, 98, "iq3_xxs", d_factor=0.25, table=_u32_table)
 fdot_iq2_s_blocks, fdot_iq2_s_row = _iq2_dots(_iq2_s_blocks, 82, "iq2_s")
 fdot_iq3_s_blocks, fdot_iq3_s_row = _iq2_dots(_iq3_s_blocks, 110, "iq3_s", d_factor=1.0, table=_u32_table)
+fdot_iq1_s_blocks, fdot_iq1_s_row = _iq2_dots(_iq1_s_blocks, 50, "iq1_s")
+fdot_iq1_m_blocks, fdot_iq1_m_row = _iq2_dots(_iq1_m_blocks, 56, "iq1_m", d_at=_iq1_m_d)
 
 
 def _reduce_fadd(builder, vec, n):

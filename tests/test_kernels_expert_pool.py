@@ -15,7 +15,7 @@ from strata_async.kernels.expert_pool import add_scaled_rows, swiglu_experts
 Q = gguf.GGMLQuantizationType
 SCALE_OFFSETS = {Q.Q4_1: (0, 2), Q.Q5_1: (0, 2), Q.Q5_0: (0,), Q.Q3_K: (108,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,),
                  Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q2_K: (80, 82), Q.IQ2_XS: (0,), Q.IQ2_XXS: (0,),
-                 Q.IQ3_XXS: (0,), Q.IQ2_S: (0,), Q.IQ3_S: (0,)}
+                 Q.IQ3_XXS: (0,), Q.IQ2_S: (0,), Q.IQ3_S: (0,), Q.IQ1_S: (0,)}
 TOL = 1e-5
 
 
@@ -111,7 +111,8 @@ def _rounded_expert_ref(x, g64, u64, d64, tg, td):
                                    (Q.IQ4_XS, Q.IQ4_XS, Q.IQ4_XS), (Q.IQ4_XS, Q.IQ4_XS, Q.IQ4_NL),
                                    (Q.Q4_K, Q.Q4_K, Q.Q5_0), (Q.Q4_1, Q.Q4_1, Q.Q5_1),
                                    (Q.MXFP4, Q.MXFP4, Q.Q4_0), (Q.IQ2_XXS, Q.IQ2_XXS, Q.IQ3_XXS),
-                                   (Q.IQ2_S, Q.IQ2_S, Q.IQ3_S)])
+                                   (Q.IQ2_S, Q.IQ2_S, Q.IQ3_S),
+                                   (Q.IQ1_S, Q.IQ1_S, Q.IQ1_S)])
 def test_integer_expert_pool_matches_ggml_rounding(rng, types):
     """quantized_activations: x rounded to int8 blocks as ggml does for gate/up, each expert's SwiGLU output
     rounded again before its down rows, integer dots. Reference: float64 products of the same roundings

@@ -106,7 +106,7 @@ def test_quantized_activations_match_q8_k(name, rng):
         assert_product_close(quant.matvec(w, ggml_type, x[0], act_quant=True), w64, x_q8[0])
 
 
-@pytest.mark.parametrize("name", ["IQ2_XXS", "IQ3_XXS", "IQ2_S", "IQ3_S"])
+@pytest.mark.parametrize("name", ["IQ2_XXS", "IQ3_XXS", "IQ2_S", "IQ3_S", "IQ1_S", "IQ1_M"])
 def test_integer_dot_without_avx512_matches_float64(name, rng):
     """The i-quants' portable integer loops (CPUs without AVX-512BW; this one may take the vector path in matvec):
     rows against float64 of gguf's weights times the activations their Q8_K codes stand for."""
