@@ -33,8 +33,8 @@ from strata_async.kernels.quant_legacy import Q2_0
 from strata_async.kernels.simd import fdot_f32_64, prefetch_l2
 
 RESULTS = Path(__file__).resolve().parent / "results"
-TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "IQ2_XS", "IQ4_NL", "IQ4_XS",
-         "MXFP4", "Q2_0")
+TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "IQ1_S", "IQ2_XXS", "IQ2_XS",
+         "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "MXFP4", "Q2_0")
 
 
 @numba.njit(parallel=True, nogil=True, fastmath=True)

@@ -74,6 +74,12 @@ _SCALE_FIELDS: dict[int, tuple[tuple[int, float], ...]] = {
     int(Q.IQ4_XS): ((0, 1e-4),),  # d; then scales_h, scales_l and 4-bit level codes random
     int(Q.IQ4_NL): ((0, 1e-4),),  # d per 32 values; then 4-bit level codes random
     int(Q.Q5_0): ((0, 6e-4),),  # d per 32 values; then fifth bits and 4-bit codes random
+    # the other i-quants: d first, then grid indices, signs and scales random (all valid)
+    int(Q.IQ2_XXS): ((0, 8e-4),),
+    int(Q.IQ2_S): ((0, 8e-4),),
+    int(Q.IQ3_XXS): ((0, 4e-4),),
+    int(Q.IQ3_S): ((0, 1e-4),),
+    int(Q.IQ1_S): ((0, 1e-3),),
 }
 _POOL_ROWS = 512  # rows of 2048 quantized once; tensors are filled with blocks drawn from them
 
