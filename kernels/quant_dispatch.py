@@ -165,11 +165,43 @@ def _f32_dot(src, x, xsum32):
     return _dot(src.view(np.float32), x)
 
 
-@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
-def _fused_rows(dot, w, r0, r1, x, xsum32, out, o0):
-    for r in range(r0, r1):
-        prefetch_row(w, r)
-        out[o0 + r - r0] = dot(w[r], x, xsum32)
+def _float_rows(dot):
+    """rows(w, r0, r1, x, xsum32, out, o0): out[o0 + r - r0] = dot(row r of w, x, xsum32) for r0 <= r < r1, each
+    row's lines requested PREFETCH_BYTES ahead. A function of its own for each type, called (not inlined) from
+    float_dots: inlined, every type's row loop landed in every kernel that dispatches on the type (the fused MoE
+    block has several such calls), and Numba's passes over those kernels grew to minutes."""
+    @numba.njit(nogil=True, fastmath=_FASTMATH)
+    def rows(w, r0, r1, x, xsum32, out, o0):
+        for r in range(r0, r1):
+            prefetch_row(w, r)
+            out[o0 + r - r0] = dot(w[r], x, xsum32)
+    return rows
+
+
+_rows_dot_q4_k = _float_rows(dot_q4_k)
+_rows_dot_q6_k = _float_rows(dot_q6_k)
+_rows_dot_q5_k = _float_rows(dot_q5_k)
+_rows_dot_q3_k = _float_rows(dot_q3_k)
+_rows_dot_iq4_xs = _float_rows(dot_iq4_xs)
+_rows_dot_iq4_nl = _float_rows(dot_iq4_nl)
+_rows_dot_mxfp4 = _float_rows(dot_mxfp4)
+_rows_dot_q4_0 = _float_rows(dot_q4_0)
+_rows_dot_q4_1 = _float_rows(dot_q4_1)
+_rows_dot_q5_0 = _float_rows(dot_q5_0)
+_rows_dot_q5_1 = _float_rows(dot_q5_1)
+_rows_dot_iq2_xs = _float_rows(dot_iq2_xs)
+_rows_dot_iq2_xxs = _float_rows(dot_iq2_xxs)
+_rows_dot_iq3_xxs = _float_rows(dot_iq3_xxs)
+_rows_dot_iq2_s = _float_rows(dot_iq2_s)
+_rows_dot_iq3_s = _float_rows(dot_iq3_s)
+_rows_dot_iq1_s = _float_rows(dot_iq1_s)
+_rows_dot_iq1_m = _float_rows(dot_iq1_m)
+_rows_dot_q2_k = _float_rows(dot_q2_k)
+_rows_dot_q2_0 = _float_rows(dot_q2_0)
+_rows__f32_dot = _float_rows(_f32_dot)
+_rows_dot_f16 = _float_rows(dot_f16)
+_rows_dot_bf16 = _float_rows(dot_bf16)
+_rows_dot_q8_0 = _float_rows(dot_q8_0)
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
@@ -189,53 +221,53 @@ def float_dots(t, w, r0, r1, x, xsum32, scratch, out, o0):
     slower. Every row dot takes (src, x, xsum32), the integer ones (src, xq, xd, xs16), used or not: Numba's
     inlining binds each branch's call to its function."""
     if t == Q4_K:
-        _fused_rows(dot_q4_k, w, r0, r1, x, xsum32, out, o0)
+        _rows_dot_q4_k(w, r0, r1, x, xsum32, out, o0)
     elif t == Q6_K:
-        _fused_rows(dot_q6_k, w, r0, r1, x, xsum32, out, o0)
+        _rows_dot_q6_k(w, r0, r1, x, xsum32, out, o0)
     elif t == Q5_K:
-        _fused_rows(dot_q5_k, w, r0, r1, x, xsum32, out, o0)
+        _rows_dot_q5_k(w, r0, r1, x, xsum32, out, o0)
     elif t == Q3_K:
-        _fused_rows(dot_q3_k, w, r0, r1, x, xsum32, out, o0)
+        _rows_dot_q3_k(w, r0, r1, x, xsum32, out, o0)
     elif t == IQ4_XS:
-        _fused_rows(dot_iq4_xs, w, r0, r1, x, xsum32, out, o0)
+        _rows_dot_iq4_xs(w, r0, r1, x, xsum32, out, o0)
     elif t == IQ4_NL:
-        _fused_rows(dot_iq4_nl, w, r0, r1, x, xsum32, out, o0)
+        _rows_dot_iq4_nl(w, r0, r1, x, xsum32, out, o0)
     elif t == MXFP4:
-        _fused_rows(dot_mxfp4, w, r0, r1, x, xsum32, out, o0)
+        _rows_dot_mxfp4(w, r0, r1, x, xsum32, out, o0)
     elif t == Q4_0:
-        _fused_rows(dot_q4_0, w, r0, r1, x, xsum32, out, o0)
+        _rows_dot_q4_0(w, r0, r1, x, xsum32, out, o0)
     elif t == Q4_1:
-        _fused_rows(dot_q4_1, w, r0, r1, x, xsum32, out, o0)
+        _rows_dot_q4_1(w, r0, r1, x, xsum32, out, o0)
     elif t == Q5_0:
-        _fused_rows(dot_q5_0, w, r0, r1, x, xsum32, out, o0)
+        _rows_dot_q5_0(w, r0, r1, x, xsum32, out, o0)
     elif t == Q5_1:
-        _fused_rows(dot_q5_1, w, r0, r1, x, xsum32, out, o0)
+        _rows_dot_q5_1(w, r0, r1, x, xsum32, out, o0)
     elif t == IQ2_XS:
-        _fused_rows(dot_iq2_xs, w, r0, r1, x, xsum32, out, o0)
+        _rows_dot_iq2_xs(w, r0, r1, x, xsum32, out, o0)
     elif t == IQ2_XXS:
-        _fused_rows(dot_iq2_xxs, w, r0, r1, x, xsum32, out, o0)
+        _rows_dot_iq2_xxs(w, r0, r1, x, xsum32, out, o0)
     elif t == IQ3_XXS:
-        _fused_rows(dot_iq3_xxs, w, r0, r1, x, xsum32, out, o0)
+        _rows_dot_iq3_xxs(w, r0, r1, x, xsum32, out, o0)
     elif t == IQ2_S:
-        _fused_rows(dot_iq2_s, w, r0, r1, x, xsum32, out, o0)
+        _rows_dot_iq2_s(w, r0, r1, x, xsum32, out, o0)
     elif t == IQ3_S:
-        _fused_rows(dot_iq3_s, w, r0, r1, x, xsum32, out, o0)
+        _rows_dot_iq3_s(w, r0, r1, x, xsum32, out, o0)
     elif t == IQ1_S:
-        _fused_rows(dot_iq1_s, w, r0, r1, x, xsum32, out, o0)
+        _rows_dot_iq1_s(w, r0, r1, x, xsum32, out, o0)
     elif t == IQ1_M:
-        _fused_rows(dot_iq1_m, w, r0, r1, x, xsum32, out, o0)
+        _rows_dot_iq1_m(w, r0, r1, x, xsum32, out, o0)
     elif t == Q2_K:
-        _fused_rows(dot_q2_k, w, r0, r1, x, xsum32, out, o0)
+        _rows_dot_q2_k(w, r0, r1, x, xsum32, out, o0)
     elif t == Q2_0:
-        _fused_rows(dot_q2_0, w, r0, r1, x, xsum32, out, o0)
+        _rows_dot_q2_0(w, r0, r1, x, xsum32, out, o0)
     elif t == F32:
-        _fused_rows(_f32_dot, w, r0, r1, x, xsum32, out, o0)
+        _rows__f32_dot(w, r0, r1, x, xsum32, out, o0)
     elif t == F16:
-        _fused_rows(dot_f16, w, r0, r1, x, xsum32, out, o0)
+        _rows_dot_f16(w, r0, r1, x, xsum32, out, o0)
     elif t == BF16:
-        _fused_rows(dot_bf16, w, r0, r1, x, xsum32, out, o0)
+        _rows_dot_bf16(w, r0, r1, x, xsum32, out, o0)
     elif t == Q8_0:
-        _fused_rows(dot_q8_0, w, r0, r1, x, xsum32, out, o0)
+        _rows_dot_q8_0(w, r0, r1, x, xsum32, out, o0)
     else:
         _decoded_rows(t, w, r0, r1, x, scratch, out, o0)
 
@@ -297,11 +329,37 @@ def has_int_dot(t: int) -> bool:
     return t in INT_DOT_TYPES
 
 
-@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
-def _int_rows(dot, w, r0, r1, xq, xd, xs16, out, o0):
-    for r in range(r0, r1):
-        prefetch_row(w, r)
-        out[o0 + r - r0] = dot(w[r], xq, xd, xs16)
+def _int_rows(dot):
+    """rows(w, r0, r1, xq, xd, xs16, out, o0) for an integer row dot, as _float_rows."""
+    @numba.njit(nogil=True, fastmath=_FASTMATH)
+    def rows(w, r0, r1, xq, xd, xs16, out, o0):
+        for r in range(r0, r1):
+            prefetch_row(w, r)
+            out[o0 + r - r0] = dot(w[r], xq, xd, xs16)
+    return rows
+
+
+_rows_idot_q4_k = _int_rows(idot_q4_k)
+_rows_idot_q6_k = _int_rows(idot_q6_k)
+_rows_idot_q5_k = _int_rows(idot_q5_k)
+_rows_idot_q3_k = _int_rows(idot_q3_k)
+_rows_idot_iq4_xs = _int_rows(idot_iq4_xs)
+_rows_idot_iq4_nl = _int_rows(idot_iq4_nl)
+_rows_idot_mxfp4 = _int_rows(idot_mxfp4)
+_rows_idot_q4_0 = _int_rows(idot_q4_0)
+_rows_idot_q4_1 = _int_rows(idot_q4_1)
+_rows_idot_q5_0 = _int_rows(idot_q5_0)
+_rows_idot_q5_1 = _int_rows(idot_q5_1)
+_rows_idot_iq2_xs = _int_rows(idot_iq2_xs)
+_rows_idot_iq2_xxs = _int_rows(idot_iq2_xxs)
+_rows_idot_iq3_xxs = _int_rows(idot_iq3_xxs)
+_rows_idot_iq2_s = _int_rows(idot_iq2_s)
+_rows_idot_iq3_s = _int_rows(idot_iq3_s)
+_rows_idot_iq1_s = _int_rows(idot_iq1_s)
+_rows_idot_iq1_m = _int_rows(idot_iq1_m)
+_rows_idot_q2_k = _int_rows(idot_q2_k)
+_rows_idot_q2_0 = _int_rows(idot_q2_0)
+_rows_idot_q8_0 = _int_rows(idot_q8_0)
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
@@ -310,47 +368,47 @@ def int_dots(t, w, r0, r1, xq, xd, xs16, out, o0):
     xs16 the codes' 16-sums) for r0 <= r < r1, each row's lines requested PREFETCH_BYTES ahead; the type's branch
     taken once a call (see float_dots)."""
     if t == Q4_K:
-        _int_rows(idot_q4_k, w, r0, r1, xq, xd, xs16, out, o0)
+        _rows_idot_q4_k(w, r0, r1, xq, xd, xs16, out, o0)
     elif t == Q6_K:
-        _int_rows(idot_q6_k, w, r0, r1, xq, xd, xs16, out, o0)
+        _rows_idot_q6_k(w, r0, r1, xq, xd, xs16, out, o0)
     elif t == Q5_K:
-        _int_rows(idot_q5_k, w, r0, r1, xq, xd, xs16, out, o0)
+        _rows_idot_q5_k(w, r0, r1, xq, xd, xs16, out, o0)
     elif t == Q3_K:
-        _int_rows(idot_q3_k, w, r0, r1, xq, xd, xs16, out, o0)
+        _rows_idot_q3_k(w, r0, r1, xq, xd, xs16, out, o0)
     elif t == IQ4_XS:
-        _int_rows(idot_iq4_xs, w, r0, r1, xq, xd, xs16, out, o0)
+        _rows_idot_iq4_xs(w, r0, r1, xq, xd, xs16, out, o0)
     elif t == IQ4_NL:
-        _int_rows(idot_iq4_nl, w, r0, r1, xq, xd, xs16, out, o0)
+        _rows_idot_iq4_nl(w, r0, r1, xq, xd, xs16, out, o0)
     elif t == MXFP4:
-        _int_rows(idot_mxfp4, w, r0, r1, xq, xd, xs16, out, o0)
+        _rows_idot_mxfp4(w, r0, r1, xq, xd, xs16, out, o0)
     elif t == Q4_0:
-        _int_rows(idot_q4_0, w, r0, r1, xq, xd, xs16, out, o0)
+        _rows_idot_q4_0(w, r0, r1, xq, xd, xs16, out, o0)
     elif t == Q4_1:
-        _int_rows(idot_q4_1, w, r0, r1, xq, xd, xs16, out, o0)
+        _rows_idot_q4_1(w, r0, r1, xq, xd, xs16, out, o0)
     elif t == Q5_0:
-        _int_rows(idot_q5_0, w, r0, r1, xq, xd, xs16, out, o0)
+        _rows_idot_q5_0(w, r0, r1, xq, xd, xs16, out, o0)
     elif t == Q5_1:
-        _int_rows(idot_q5_1, w, r0, r1, xq, xd, xs16, out, o0)
+        _rows_idot_q5_1(w, r0, r1, xq, xd, xs16, out, o0)
     elif t == IQ2_XS:
-        _int_rows(idot_iq2_xs, w, r0, r1, xq, xd, xs16, out, o0)
+        _rows_idot_iq2_xs(w, r0, r1, xq, xd, xs16, out, o0)
     elif t == IQ2_XXS:
-        _int_rows(idot_iq2_xxs, w, r0, r1, xq, xd, xs16, out, o0)
+        _rows_idot_iq2_xxs(w, r0, r1, xq, xd, xs16, out, o0)
     elif t == IQ3_XXS:
-        _int_rows(idot_iq3_xxs, w, r0, r1, xq, xd, xs16, out, o0)
+        _rows_idot_iq3_xxs(w, r0, r1, xq, xd, xs16, out, o0)
     elif t == IQ2_S:
-        _int_rows(idot_iq2_s, w, r0, r1, xq, xd, xs16, out, o0)
+        _rows_idot_iq2_s(w, r0, r1, xq, xd, xs16, out, o0)
     elif t == IQ3_S:
-        _int_rows(idot_iq3_s, w, r0, r1, xq, xd, xs16, out, o0)
+        _rows_idot_iq3_s(w, r0, r1, xq, xd, xs16, out, o0)
     elif t == IQ1_S:
-        _int_rows(idot_iq1_s, w, r0, r1, xq, xd, xs16, out, o0)
+        _rows_idot_iq1_s(w, r0, r1, xq, xd, xs16, out, o0)
     elif t == IQ1_M:
-        _int_rows(idot_iq1_m, w, r0, r1, xq, xd, xs16, out, o0)
+        _rows_idot_iq1_m(w, r0, r1, xq, xd, xs16, out, o0)
     elif t == Q2_K:
-        _int_rows(idot_q2_k, w, r0, r1, xq, xd, xs16, out, o0)
+        _rows_idot_q2_k(w, r0, r1, xq, xd, xs16, out, o0)
     elif t == Q2_0:
-        _int_rows(idot_q2_0, w, r0, r1, xq, xd, xs16, out, o0)
+        _rows_idot_q2_0(w, r0, r1, xq, xd, xs16, out, o0)
     else:
-        _int_rows(idot_q8_0, w, r0, r1, xq, xd, xs16, out, o0)
+        _rows_idot_q8_0(w, r0, r1, xq, xd, xs16, out, o0)
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
