@@ -126,8 +126,9 @@ def test_moe_token_types_and_errors(rng):
     assert has_moe_token(int(Q.F32), None, (int(Q.Q4_K),) * 3, True)
     assert not has_moe_token(int(Q.Q8_0), None, (int(Q.Q4_K),) * 3, False)  # a quantized router: separate calls
     assert not has_moe_token(int(Q.F32), int(Q.Q8_0), (int(Q.Q4_K),) * 3, False)
-    assert not has_moe_token(int(Q.F32), None, (int(Q.Q4_0),) * 3, True)  # no integer dot for Q4_0
-    assert has_moe_token(int(Q.F32), None, (int(Q.Q4_0),) * 3, False)
+    assert not has_moe_token(int(Q.F32), None, (int(Q.F16),) * 3, True)  # float rows: no integer dot
+    assert has_moe_token(int(Q.F32), None, (int(Q.F16),) * 3, False)
+    assert has_moe_token(int(Q.F32), None, (int(Q.Q4_0),) * 3, True)  # every quantized type has one
     assert not has_moe_token(int(Q.F32), None, (int(Q.Q4_K), int(Q.Q6_K), int(Q.Q6_K)), True)  # gate != up
     assert has_moe_token(int(Q.F32), None, (int(Q.Q4_K), int(Q.Q6_K), int(Q.Q6_K)), False)
     assert not has_moe_token(int(Q.F32), None, (int(Q.Q4_K),) * 3 + (int(Q.Q8_0), int(Q.Q4_K), int(Q.Q4_K)), True)
