@@ -107,6 +107,22 @@ def prefault(tensors: Iterable[TensorInfo], progress: Callable[[int, int], None]
             progress(done, total)
 
 
+def release(tensor: TensorInfo) -> None:
+    """Drop the tensor's whole pages from this process's mapping (madvise MADV_DONTNEED), once its bytes are copied
+    elsewhere (a repacked tensor): they are clean file pages, so nothing is lost, the page cache may keep them
+    and a later read faults them in again. Pages shared with a neighbouring tensor stay. Where madvise cannot,
+    nothing happens."""
+    whole_file = getattr(tensor.data, "_mmap", None)
+    first = -(-tensor.file_offset // _PAGE) * _PAGE
+    end = (tensor.file_offset + tensor.data.nbytes) // _PAGE * _PAGE
+    if whole_file is None or end <= first:
+        return
+    try:
+        whole_file.madvise(mmap.MADV_DONTNEED, first, end - first)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
 @dataclass
 class GGUFFile:
     """An opened GGUF model (one file or all shards of a split model).

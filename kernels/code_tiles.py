@@ -26,17 +26,19 @@ from . import quant  # noqa: F401 - first: the format modules import each other 
 from .quant_iq import _IQ2XS_TABLES, IQ2_XS
 from .quant_k import Q2_K, Q4_K, Q6_K
 from .quant_legacy import Q2_0
+from .quant_planes import IQ2_XS_PLANES
 from .quant_q8 import Q8_0
 from .simd import prefetch_l2
+from .simd import PLANES_BYTES
 from .simd_gemm import (ROWS, crumb_codes64, interleave16, iq2_xs_codes256, iq2_xs_codes256_pair,
-                        iq2_xs_tile_scales, q2_0_tile_scales, q2_k_tile_scales, q4_k_tile_scales, q6_codes32,
-                        q6_k_tile_scales, q8_0_tile64, q8_0_tile_scales, unpack_codes32)
+                        iq2_xs_tile_scales, planes_codes256, planes_tile_scales, q2_0_tile_scales, q2_k_tile_scales,
+                        q4_k_tile_scales, q6_codes32, q6_k_tile_scales, q8_0_tile64, q8_0_tile_scales, unpack_codes32)
 
 # Types with a code tile, and their sub-block length (values per scale and bias).
-SUB_BLOCK = {Q8_0: 32, Q4_K: 32, Q2_0: 32, Q6_K: 16, Q2_K: 16, IQ2_XS: 16}
+SUB_BLOCK = {Q8_0: 32, Q4_K: 32, Q2_0: 32, Q6_K: 16, Q2_K: 16, IQ2_XS: 16, IQ2_XS_PLANES: 16}
 # Types whose codes are their values plus a constant offset (bias = -offset * scale), which the products take off
 # the integer sums (int_matmul.TokenCodes); Q4_K's and Q2_K's biases come from their mins.
-CODE_OFFSET = {Q8_0: 128, Q2_0: 1, Q6_K: 32, IQ2_XS: 43}
+CODE_OFFSET = {Q8_0: 128, Q2_0: 1, Q6_K: 32, IQ2_XS: 43, IQ2_XS_PLANES: 43}
 
 
 @numba.njit(nogil=True, cache=True, fastmath=False)
@@ -44,7 +46,7 @@ def sub_block(t):
     """Values per scale of type t's code tiles (0: no code tile)."""
     if t == Q8_0 or t == Q4_K or t == Q2_0:
         return 32
-    if t == Q6_K or t == Q2_K or t == IQ2_XS:
+    if t == Q6_K or t == Q2_K or t == IQ2_XS or t == IQ2_XS_PLANES:
         return 16
     return 0
 
@@ -123,6 +125,16 @@ def _pair_codes_iq2_xs(src_a, src_b, v0, dst_a, dst_b):
 @numba.njit(inline="always", nogil=True)
 def _scales_iq2_xs(src, stride, r0, n, v0, ch, scale, bias):
     iq2_xs_tile_scales(src, r0 * stride + 74 * (v0 // 256), stride, n, scale, bias, ROWS * (v0 // 16))
+
+
+@numba.njit(inline="always", nogil=True)
+def _codes_planes(src, v0, dst):
+    planes_codes256(src, PLANES_BYTES * (v0 // 256), dst, 0)
+
+
+@numba.njit(inline="always", nogil=True)
+def _scales_planes(src, stride, r0, n, v0, ch, scale, bias):
+    planes_tile_scales(src, r0 * stride + PLANES_BYTES * (v0 // 256), stride, n, scale, bias, ROWS * (v0 // 16))
 
 
 @numba.njit(inline="always", nogil=True)
@@ -244,6 +256,7 @@ _tile_q8_0, _tile_q4_k, _tile_q6_k, _tile_q2_k, _tile_q2_0 = (
         (_codes_q8_0, _scales_q8_0, 0), (_codes_q4_k, _scales_q4_k, 256), (_codes_q6_k, _scales_q6_k, 256),
         (_codes_q2_k, _scales_q2_k, 256), (_codes_q2_0, _scales_q2_0, 0)))
 _tile_iq2_xs = _tile_decoder(_codes_iq2_xs, _scales_iq2_xs, 256, _pair_codes_iq2_xs)
+_tile_planes = _tile_decoder(_codes_planes, _scales_planes, 256)
 
 
 @numba.njit(inline="always", nogil=True)
@@ -280,5 +293,7 @@ def decode_tile(t, w, r0, words, scale, bias, stage, nxt, n0):
         _tile_q2_k(w, r0, words, scale, bias, stage, nxt, n0)
     elif t == IQ2_XS:
         _tile_iq2_xs(w, r0, words, scale, bias, stage, nxt, n0)
+    elif t == IQ2_XS_PLANES:
+        _tile_planes(w, r0, words, scale, bias, stage, nxt, n0)
     elif t == Q2_0:
         _tile_q2_0(w, r0, words, scale, bias, stage, nxt, n0)

@@ -39,17 +39,19 @@ class QuantFormat:
     block_elems: int
     block_bytes: int
     act_block: int  # activation block for act_quant (32 = Q8_0, 256 = Q8_K, 0 = float activations)
+    in_files: bool = True  # False: a layout the engine makes at load (quant_planes), never read from a file
 
 
 _FORMATS: dict[int, QuantFormat] = {}
 
 
-def register_type(ggml_type: int, name: str, block_elems: int, block_bytes: int, act_block: int) -> None:
+def register_type(ggml_type: int, name: str, block_elems: int, block_bytes: int, act_block: int,
+                  in_files: bool = True) -> None:
     """Make a ggml format available to dequantize/matvec/matmul (its row decoder needs a branch in
     quant_dispatch.dequant_row)."""
     if ggml_type in _FORMATS:
         raise ValueError(f"ggml type {ggml_type} ({name}) is registered twice")
-    _FORMATS[ggml_type] = QuantFormat(ggml_type, name, block_elems, block_bytes, act_block)
+    _FORMATS[ggml_type] = QuantFormat(ggml_type, name, block_elems, block_bytes, act_block, in_files)
 
 
 def _format(ggml_type: int) -> QuantFormat:
@@ -61,7 +63,8 @@ def _format(ggml_type: int) -> QuantFormat:
 
 
 def supported_types() -> list[int]:
-    return sorted(_FORMATS)
+    """The ggml types a file's tensors may have (the engine's own load-time layouts left out)."""
+    return sorted(t for t, f in _FORMATS.items() if f.in_files)
 
 
 def block_size(ggml_type: int) -> tuple[int, int]:

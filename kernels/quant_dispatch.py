@@ -23,6 +23,7 @@ from .quant_int import (idot_iq4_nl, idot_iq4_xs, idot_mxfp4, idot_q2_0, idot_q2
 from .simd import IS_INTEL, fdot_f32_64, prefetch, prefetch_l2
 from .quant_nl import (IQ4_NL, IQ4_XS, MXFP4, dequant_iq4_nl, dequant_iq4_xs, dequant_mxfp4, dot_iq4_nl,
                        dot_iq4_xs, dot_mxfp4)
+from .quant_planes import IQ2_XS_PLANES, dequant_planes, dot_planes, idot_planes
 from .quant_q8 import Q8_0, dequant_q8_0
 from .task_queue import claimed_runs, task_counter, worker_count
 
@@ -72,6 +73,8 @@ def dequant_row(t, src, dst):
         dequant_iq2_xxs(src, dst)
     elif t == IQ2_XS:
         dequant_iq2_xs(src, dst)
+    elif t == IQ2_XS_PLANES:
+        dequant_planes(src, dst)
     elif t == IQ2_S:
         dequant_iq2_s(src, dst)
     elif t == IQ3_XXS:
@@ -157,7 +160,7 @@ def has_fused_dot(t):
     return (t == Q8_0 or t == Q3_K or t == Q4_K or t == Q5_K or t == Q6_K or t == IQ2_XS or t == IQ2_XXS
             or t == IQ2_S or t == IQ3_XXS or t == IQ3_S or t == IQ1_S or t == IQ1_M or t == IQ4_NL
             or t == IQ4_XS or t == MXFP4 or t == Q4_0 or t == Q4_1 or t == Q5_0 or t == Q5_1 or t == Q2_K
-            or t == Q2_0 or t == F32 or t == F16 or t == BF16)
+            or t == Q2_0 or t == F32 or t == F16 or t == BF16 or t == IQ2_XS_PLANES)
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
@@ -190,6 +193,7 @@ _rows_dot_q4_1 = _float_rows(dot_q4_1)
 _rows_dot_q5_0 = _float_rows(dot_q5_0)
 _rows_dot_q5_1 = _float_rows(dot_q5_1)
 _rows_dot_iq2_xs = _float_rows(dot_iq2_xs)
+_rows_dot_planes = _float_rows(dot_planes)
 _rows_dot_iq2_xxs = _float_rows(dot_iq2_xxs)
 _rows_dot_iq3_xxs = _float_rows(dot_iq3_xxs)
 _rows_dot_iq2_s = _float_rows(dot_iq2_s)
@@ -244,6 +248,8 @@ def float_dots(t, w, r0, r1, x, xsum32, scratch, out, o0):
         _rows_dot_q5_1(w, r0, r1, x, xsum32, out, o0)
     elif t == IQ2_XS:
         _rows_dot_iq2_xs(w, r0, r1, x, xsum32, out, o0)
+    elif t == IQ2_XS_PLANES:
+        _rows_dot_planes(w, r0, r1, x, xsum32, out, o0)
     elif t == IQ2_XXS:
         _rows_dot_iq2_xxs(w, r0, r1, x, xsum32, out, o0)
     elif t == IQ3_XXS:
@@ -321,7 +327,7 @@ def matmul_rows(t, w, x, out):
 
 # Types with an integer dot product against ggml-quantized activations (int_dots' branches).
 INT_DOT_TYPES = frozenset({Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S,
-                           IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS, MXFP4, Q2_K, Q2_0})
+                           IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS, MXFP4, Q2_K, Q2_0, IQ2_XS_PLANES})
 
 
 def has_int_dot(t: int) -> bool:
@@ -351,6 +357,7 @@ _rows_idot_q4_1 = _int_rows(idot_q4_1)
 _rows_idot_q5_0 = _int_rows(idot_q5_0)
 _rows_idot_q5_1 = _int_rows(idot_q5_1)
 _rows_idot_iq2_xs = _int_rows(idot_iq2_xs)
+_rows_idot_planes = _int_rows(idot_planes)
 _rows_idot_iq2_xxs = _int_rows(idot_iq2_xxs)
 _rows_idot_iq3_xxs = _int_rows(idot_iq3_xxs)
 _rows_idot_iq2_s = _int_rows(idot_iq2_s)
@@ -391,6 +398,8 @@ def int_dots(t, w, r0, r1, xq, xd, xs16, out, o0):
         _rows_idot_q5_1(w, r0, r1, xq, xd, xs16, out, o0)
     elif t == IQ2_XS:
         _rows_idot_iq2_xs(w, r0, r1, xq, xd, xs16, out, o0)
+    elif t == IQ2_XS_PLANES:
+        _rows_idot_planes(w, r0, r1, xq, xd, xs16, out, o0)
     elif t == IQ2_XXS:
         _rows_idot_iq2_xxs(w, r0, r1, xq, xd, xs16, out, o0)
     elif t == IQ3_XXS:

@@ -1317,6 +1317,56 @@ def _reduce_or16(builder, vec):
     return builder.call(fn, [vec])
 
 
+# IQ2_XS as level planes (quant_planes.IQ2_XS_PLANES, made from IQ2_XS blocks at load): per 256 values, 106 bytes.
+# Bytes 0-1 fp16 d and 2-9 the 4-bit run scales, as IQ2_XS has them; bytes 10-73 the values' magnitude levels
+# (0, 1, 2 for IQ2_XS_MAGNITUDES 8, 25, 43), value 64 s + j's at bits 2 s of byte 10 + j; bytes 74-105 the sign
+# bits, value v's at bit v % 8 of byte 74 + v // 8 (IQ2_XS's eight signs a group with the parity bit made explicit).
+PLANES_BYTES, PLANES_SCALES, PLANES_LEVELS, PLANES_SIGNS = 106, 2, 10, 74
+
+
+def _planes_blocks(context, builder, grid_ty, grid, blocks, offset=None):
+    """The steps of IQ2_XS_PLANES blocks at src[o] for (src type, src, o) in blocks, as _iq2_xs_blocks gives them
+    (grid unused; AVX-512 VBMI): step s's magnitudes by one vpermb of the block's 64 level bytes through a 64-byte
+    table that reads bits 2 s .. 2 s + 1 of the index (vpermb reads six index bits; step 3 shifts its bits down
+    first), its negative lanes straight from the sign bytes as a mask register. With an offset, the values come as
+    offset +- magnitude by a second table. No grid look-up and no sign computing: the IQ2_XS dot's look-up and
+    signs had taken ~30% of it, and in-format the per-step multishift, bit-shuffle and vpermb ~25% more."""
+    v64 = ir.VectorType(_I8, 64)
+    mask64 = ir.VectorType(ir.IntType(1), 64)
+
+    def table(s, sign):
+        shift = 2 * s if s < 3 else 0
+        return _vec_const(8, [((offset or 0) + sign * IQ2_XS_MAGNITUDES[i >> shift & 3]) % 256
+                              if i >> shift & 3 < 3 else 0 for i in range(64)])
+    def look_up(tbl, index, s):
+        if HAS_VBMI_BITALG:
+            return _x86(builder, "llvm.x86.avx512.permvar.qi.512", v64, [tbl, index])
+        # without VBMI (where the engine makes no planes, but the kernels that branch on the type still compile):
+        # the table's entries for the step's four levels by selects
+        level = builder.and_(builder.lshr(index, _vec_const(8, [2 * s if s < 3 else 0] * 64)), _vec_const(8, [3] * 64))
+        out = ir.Constant(v64, [0] * 64)
+        for lv in range(3):
+            entry = _shuffle(builder, tbl, [lv << (2 * s if s < 3 else 0)] * 64)
+            out = builder.select(builder.icmp_unsigned("==", level, _vec_const(8, [lv] * 64)), entry, out)
+        return out
+    steppers = []
+    for src_ty, src, o in blocks:
+        levels = _load(context, builder, src_ty, src, _at(builder, o, PLANES_LEVELS), 64)
+        odd = _nibble_odd16(context, builder, src_ty, src, o, PLANES_SCALES, 8)
+
+        def step(s, src_ty=src_ty, src=src, o=o, levels=levels, odd=odd):
+            index = levels if s < 3 else builder.lshr(levels, _vec_const(8, [6] * 64))
+            bits = builder.load(_pointer(context, builder, src_ty, src, _at(builder, o, PLANES_SIGNS + 8 * s), _I64),
+                                align=1)
+            neg = builder.bitcast(bits, mask64)
+            g8 = look_up(table(s, 1), index, s)
+            if offset is not None:
+                g8 = builder.select(neg, look_up(table(s, -1), index, s), g8)
+            return g8, neg, _shuffle(builder, odd, [4 * s + k for k in range(4)])
+        steppers.append(step)
+    return steppers
+
+
 fdot_iq2_xs_blocks, fdot_iq2_xs_row = _iq2_dots(_iq2_xs_blocks, 74, "iq2_xs")
 fdot_iq2_xxs_blocks, fdot_iq2_xxs_row = _iq2_dots(_iq2_xxs_blocks, 66, "iq2_xxs")
 fdot_iq3_xxs_blocks, fdot_iq3_xxs_row = _iq2_dots(_iq3_xxs_blocks, 98, "iq3_xxs", d_factor=0.25, table=_u32_table)
@@ -1324,6 +1374,7 @@ fdot_iq2_s_blocks, fdot_iq2_s_row = _iq2_dots(_iq2_s_blocks, 82, "iq2_s")
 fdot_iq3_s_blocks, fdot_iq3_s_row = _iq2_dots(_iq3_s_blocks, 110, "iq3_s", d_factor=1.0, table=_u32_table)
 fdot_iq1_s_blocks, fdot_iq1_s_row = _iq2_dots(_iq1_s_blocks, 50, "iq1_s")
 fdot_iq1_m_blocks, fdot_iq1_m_row = _iq2_dots(_iq1_m_blocks, 56, "iq1_m", d_at=_iq1_m_d)
+fdot_planes_blocks, fdot_planes_row = _iq2_dots(_planes_blocks, PLANES_BYTES, "planes")
 
 
 def _reduce_fadd(builder, vec, n):

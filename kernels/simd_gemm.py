@@ -23,8 +23,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import (_FL, _I8, _I32, _I64, HAS_VNNI, _array_1d, _byte_array, _data, _dpbusd, _iq2_xs_blocks,
-                   _load, _splat, _splat_f, _store)
+from .simd import (_FL, _I8, _I32, _I64, HAS_VNNI, PLANES_SCALES, _array_1d, _byte_array, _data, _dpbusd,
+                   _iq2_xs_blocks, _load, _planes_blocks, _splat, _splat_f, _store)
 
 
 ROWS = 16  # rows per tile: one 512-bit vector of int32 lanes
@@ -331,10 +331,25 @@ def iq2_xs_codes256_pair(typingctx, grid, src_a, oa, dst_a, src_b, ob, dst_b):
     return types.none(grid, src_a, oa, dst_a, src_b, ob, dst_b), codegen
 
 
-def _store_iq2_xs_codes(context, builder, grid_ty, grid, blocks):
-    """The codes 43 +- grid value of one or two IQ2_XS blocks, each given as (src type, src, o, dst type, dst, y):
-    the block at src[o] into dst[y:y + 256]. Two blocks share one grid look-up."""
-    steps = _iq2_xs_blocks(context, builder, grid_ty, grid, [b[:3] for b in blocks], 43)
+@intrinsic
+def planes_codes256(typingctx, src, o, dst, y):
+    """dst[y:y + 256] = the codes 43 +- value of the IQ2_XS_PLANES block at src[o], as iq2_xs_codes256 gives an
+    IQ2_XS block's (simd._planes_blocks with an offset: two vpermb a step)."""
+    if not (_byte_array(src) and _byte_array(dst)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        src_v, o_v, dst_v, y_v = args
+        _store_iq2_xs_codes(context, builder, None, None, [(sig.args[0], src_v, o_v, sig.args[2], dst_v, y_v)],
+                            _planes_blocks)
+        return context.get_dummy_value()
+    return types.none(src, o, dst, y), codegen
+
+
+def _store_iq2_xs_codes(context, builder, grid_ty, grid, blocks, reader=_iq2_xs_blocks):
+    """The codes 43 +- grid value of one or two IQ2_XS blocks (or the blocks reader reads), each given as (src
+    type, src, o, dst type, dst, y): the block at src[o] into dst[y:y + 256]. Two blocks share one grid look-up."""
+    steps = reader(context, builder, grid_ty, grid, [b[:3] for b in blocks], 43)
     for block, (_, _, _, dst_ty, dst_v, y_v) in zip(steps, blocks):
         for step in range(4):
             _store(context, builder, dst_ty, dst_v, builder.add(y_v, ir.Constant(y_v.type, 64 * step)),
@@ -479,13 +494,14 @@ def _q6_k_sub_blocks(builder, ps, rows):
     return out
 
 
-def _iq2_xs_sub_blocks(builder, ps, rows):
+def _iq2_xs_sub_blocks(builder, ps, rows, scales_at=66):
     """IQ2_XS (74 bytes: fp16 d, 32 group codes, 8 bytes of 4-bit scales s_j at 66; codes stored as 43 +- grid
-    value): scale d * (0.5 + s_j) * 0.25 (ggml's order), bias -43 times it, sixteen sub-blocks of 16."""
+    value), or IQ2_XS_PLANES (its scale bytes at scales_at): scale d * (0.5 + s_j) * 0.25 (ggml's order), bias
+    -43 times it, sixteen sub-blocks of 16."""
     d = _rows_half(builder, ps, rows, 0)
     v16 = ir.VectorType(_I8, ROWS)
     out = []
-    columns = _byte_columns(builder, ps, rows, 66, 8)
+    columns = _byte_columns(builder, ps, rows, scales_at, 8)
     for j in range(16):
         nib = builder.and_(builder.lshr(columns[j // 2], ir.Constant(v16, [4 * (j % 2)] * ROWS)),
                            ir.Constant(v16, [15] * ROWS))
@@ -498,3 +514,5 @@ def _iq2_xs_sub_blocks(builder, ps, rows):
 q8_0_tile_scales, q2_0_tile_scales, q4_k_tile_scales, q2_k_tile_scales, q6_k_tile_scales, iq2_xs_tile_scales = (
     _tile_scales_intrinsic(f) for f in (_q8_0_sub_blocks, _q2_0_sub_blocks, _q4_k_sub_blocks, _q2_k_sub_blocks,
                                         _q6_k_sub_blocks, _iq2_xs_sub_blocks))
+planes_tile_scales = _tile_scales_intrinsic(lambda builder, ps, rows: _iq2_xs_sub_blocks(builder, ps, rows,
+                                                                                       PLANES_SCALES))

@@ -113,6 +113,7 @@ class LoadOptions:
     ple_io: str = "direct"  # n-gram PLE table: "direct" (O_DIRECT reads), "mmap" or "ram" (read whole at load)
     ple_cache_rows: int = 4096  # PLE rows kept in RAM after use (LRU); prefetched rows wait there too
     prefault: bool = True  # fault every weight page the model computes from into the mapping at load
-    progress: Callable[[int, int], None] | None = None  # progress(done, total bytes) while prefaulting
+    progress: Callable[[int, int], None] | None = None  # progress(done, total bytes) while repacking, prefaulting
+    repack: str = "auto"  # IQ2_XS matrices as IQ2_XS_PLANES: "auto", "always" or "never" (runtime/weights.py)
     # keep the working buffers that steps free mapped for the next step (glibc's malloc: runtime/host_memory.py)
     keep_freed_buffers: bool = True

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from strata_async.io import GGUFFile, open_gguf, prefault
+from strata_async.io import GGUFFile, open_gguf
 
 from .archs import ArchModel, model_class
 from .config import LoadOptions, ModelConfig
@@ -122,10 +122,9 @@ def load_runtime(path: str | os.PathLike[str], *, threads: int | None = None, qu
         options = options or LoadOptions()
         if options.keep_freed_buffers:
             keep_freed_buffers()
-        store = WeightStore(gguf)
+        store = WeightStore(gguf, options.repack)
         model = model_class(arch)(store, device, options)
-        if options.prefault:
-            prefault((gguf.tensors[name] for name in dict.fromkeys(store.handed_out)), options.progress)
+        store.load_pages(options.prefault, options.progress)
         limit = model.config.context_length
         if max_context is None:
             max_context = limit

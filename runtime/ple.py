@@ -145,7 +145,7 @@ class PLEWeights:
                    norm_key=ws.vector(f"{p}.ple_norm_key.weight", c),
                    norm_query=ws.vector(f"{p}.ple_norm_query.weight", c),
                    norm_conv=ws.vector(f"{p}.ple_norm_conv.weight", c),
-                   conv=ws.tensor(f"{p}.ple_conv1d.weight", (c, kernel)).dequantize())
+                   conv=ws.decoded(f"{p}.ple_conv1d.weight", (c, kernel)))
 
 
 def new_ple_state(ngram: NGramHash, w: PLEWeights) -> PLEState:

@@ -157,6 +157,13 @@ def test_ple_io_choices_are_the_row_source_modes():
     assert PLE_IO_MODES == MODES == tuple(NGRAM_TIERS)
 
 
+def test_repack_choices_are_the_weight_store_modes():
+    from strata_async.cli import REPACK_MODES
+    from strata_async.runtime.weights import REPACK_MODES as STORE_MODES
+
+    assert REPACK_MODES == STORE_MODES
+
+
 def test_mapping_progress_notes_each_tenth_of_large_loads(capsys):
     from strata_async.cli import _mapping_progress
 

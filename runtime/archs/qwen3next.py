@@ -66,7 +66,7 @@ def load_deltanet(ws: WeightStore, p: str, c: Qwen3NextConfig) -> DeltaNetWeight
                                   z=ws.tensor(f"{p}.attn_gate.weight", (s.value_dim, d)))
     return DeltaNetWeights(in_proj=in_proj,
                            ba=ws.tensor(f"{p}.ssm_ba.weight", (2 * s.n_v_heads, d)),
-                           conv=ws.tensor(f"{p}.ssm_conv1d.weight", (s.conv_dim, s.conv_kernel)).dequantize(),
+                           conv=ws.decoded(f"{p}.ssm_conv1d.weight", (s.conv_dim, s.conv_kernel)),
                            dt_bias=ws.vector(f"{p}.ssm_dt.bias", s.n_v_heads),
                            ssm_a=ws.vector(f"{p}.ssm_a", s.n_v_heads),
                            norm=ws.vector(f"{p}.ssm_norm.weight", s.v_dim),

@@ -141,7 +141,7 @@ def load_deltanet(ws: WeightStore, p: str, c: Qwen4ExpConfig) -> DeltaNetWeights
                            ba=None,
                            beta=ws.tensor(f"{p}.ssm_beta.weight", (s.n_v_heads, d)),
                            alpha=ws.tensor(f"{p}.ssm_alpha.weight", (s.n_v_heads, d)),
-                           conv=ws.tensor(f"{p}.ssm_conv1d.weight", (s.conv_dim, s.conv_kernel)).dequantize(),
+                           conv=ws.decoded(f"{p}.ssm_conv1d.weight", (s.conv_dim, s.conv_kernel)),
                            dt_bias=ws.vector(f"{p}.ssm_dt.bias", s.n_v_heads),
                            ssm_a=ws.vector(f"{p}.ssm_a", s.n_v_heads),
                            norm=ws.vector(f"{p}.ssm_norm.weight", s.v_dim),
@@ -160,7 +160,7 @@ class Model:
             if table is None:
                 raise WeightError(f"{ws.gguf.path}: the model has a PLE layer but no '{TABLE_TENSOR}' table")
             NGramTable.check(table, c.ple_row_dim, c.ngram.rows_needed)
-        self.tokens = ws.tensor("token_embd.weight", (c.vocab_size, d))
+        self.tokens = ws.tensor("token_embd.weight", (c.vocab_size, d), repack=False)  # rows looked up
         self.output = ws.tensor("output.weight", (c.vocab_size, d)) if ws.has("output.weight") else self.tokens
         self.final_hc = HyperConnection.load(ws, "output_hc", hc, d, rank, inject=False)
         self.layers: list[Layer] = []
