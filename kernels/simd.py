@@ -975,16 +975,19 @@ def idot_q2_0_block(typingctx, src, o, x, xo, xs16, g):
     return types.UniTuple(types.int32, 2)(src, o, x, xo, xs16, g), codegen
 
 
-def _iq2_xs_lanes(context, builder, grid_ty, grid, src_ty, src, offsets, x_ty, x, xos, reader=None):
+def _iq2_xs_lanes(context, builder, grid_ty, grid, src_ty, src, offsets, x_ty, x, xos, reader=None, pairs=True):
     """The int32 lanes of one or two IQ2_XS blocks (74 bytes at src[o], o in offsets; or the blocks that reader
     reads, as _iq2_xs_blocks does) times 256 int8 x[xo:] each (xo in xos), before reduction (a <16 x i32> per
     block, <32 x i32> without AVX-512BW): per 16 values (2 * 4-bit scale + 1) * (signed grid values . x). The grid
     points' byte magnitudes and signs come from the reader; the signs go onto x instead, so the magnitudes stay
     unsigned for vpmaddubsw (AVX-512BW; else vpmaddwd): x must lie in [-127, 127], as ggml's activation codes do
-    (-128 has no negation)."""
+    (-128 has no negation). pairs: with VNNI, two steps at a time (_vnni_step_pairs)."""
     totals = []
     blocks = (reader or _iq2_xs_blocks)(context, builder, grid_ty, grid, [(src_ty, src, o) for o in offsets])
     for block, xo in zip(blocks, xos):
+        if HAS_VNNI and pairs:
+            totals.append(_vnni_step_pairs(context, builder, block, x_ty, x, xo))
+            continue
         total = None
         for step in range(4):  # 64 weights: eight groups, four scale nibbles
             g8, neg, sc4 = block(step)
@@ -1001,6 +1004,31 @@ def _iq2_xs_lanes(context, builder, grid_ty, grid, src_ty, src, offsets, x_ty, x
             total = part if total is None else builder.add(total, part)
         totals.append(total)
     return totals
+
+
+def _vnni_step_pairs(context, builder, block, x_ty, x, xo):
+    """_iq2_xs_lanes' lanes of one block with VNNI: each step's 64 products in 4-value sums by vpdpbusd (|sum| <= 4
+    * 62 * 127 fits int16 for every grid here), two steps' sums packed to words by vpackssdw and scaled by one
+    vpdpwssd, as _q4_k_packed_dots does: per two steps two vpdpbusd, a pack and a vpdpwssd where vpmaddubsw and a
+    scaled vpmaddwd each had taken four multiplies."""
+    v16, w32 = ir.VectorType(_I32, 16), ir.VectorType(ir.IntType(16), 32)
+    total = ir.Constant(v16, [0] * 16)
+    for pair in range(2):
+        dots, scales = [], []
+        for step in (2 * pair, 2 * pair + 1):
+            g8, neg, sc4 = block(step)
+            xs = _negate_where(builder, _load(context, builder, x_ty, x, _at(builder, xo, 64 * step), 64), neg)
+            dots.append(_dpbusd(builder, ir.Constant(v16, [0] * 16), builder.bitcast(g8, v16),
+                                builder.bitcast(xs, v16), True))
+            scales.append(sc4)
+        # vpackssdw per 128-bit lane L: words 8 L .. 8 L + 3 from the first step's lanes 4 L .. 4 L + 3 (its values
+        # 16 L .. 16 L + 15: run L), words 8 L + 4 .. 8 L + 7 from the second step's run L
+        both = builder.shuffle_vector(scales[0], scales[1], _vec_const(32, range(8)))
+        words = _x86(builder, "llvm.x86.avx512.packssdw.512", w32, dots)
+        scale_words = _shuffle(builder, both, [w // 8 + (4 if w % 8 >= 4 else 0) for w in range(32)])
+        total = _x86(builder, "llvm.x86.avx512.vpdpwssd.512", v16,
+                     [total, builder.bitcast(words, v16), builder.bitcast(scale_words, v16)])
+    return total
 
 
 @intrinsic
@@ -1036,12 +1064,15 @@ def _paired_blocks(context, builder, blocks, terms):
     return builder.load(total)
 
 
-def _iq2_dots(reader, size, name, d_factor=0.125, table=_u64_table, d_at=None):
+def _iq2_dots(reader, size, name, d_factor=0.125, table=_u64_table, d_at=None, pairs=True):
     """The integer and float row dots of an i-quant whose blocks (`size` bytes, fp16 d first) reader reads into
     steps of (grid magnitudes, negative lanes, 2 s + 1 scales per 16 values), as _iq2_xs_blocks does: d d_factor
     times the block's sum (the 2-bit types' (0.5 + s) / 4 is (2 s + 1) / 8, IQ3_XXS's (0.5 + s) / 2 is
     (2 s + 1) / 4); the grid a 1-D array that table() accepts; d read by d_at(context, builder, src type, src, o)
-    where it is not the block's first two bytes.
+    where it is not the block's first two bytes. pairs: the integer dot's steps two at a time with VNNI
+    (_vnni_step_pairs; on a Zen 4 core from the cache, int8, alternating builds: IQ2_XS 0.041 -> 0.039 ns a weight,
+    IQ3_XXS 0.071 -> 0.066, IQ3_S 0.114 -> 0.109, IQ1_S 0.107 -> 0.095, IQ2_XS_PLANES 0.0235 -> 0.0226; IQ2_XXS
+    0.054 -> 0.057 and IQ2_S 0.056 -> 0.057 keep a step at a time).
 
     (grid, src, x, xd, blocks): sum over the first `blocks` blocks of a row of d_b d_factor xd[b] times the integer
     sum of the block with int8 x (_iq2_xs_lanes), in float lanes, two blocks a step (_paired_blocks; AVX-512BW
@@ -1065,7 +1096,7 @@ def _iq2_dots(reader, size, name, d_factor=0.125, table=_u64_table, d_at=None):
             def terms(bs):
                 offsets = [builder.mul(b, ir.Constant(b.type, size)) for b in bs]
                 totals = _iq2_xs_lanes(context, builder, grid_ty, grid_v, src_ty, src_v, offsets, x_ty, x_v,
-                                       [builder.mul(b, ir.Constant(b.type, 256)) for b in bs], reader)
+                                       [builder.mul(b, ir.Constant(b.type, 256)) for b in bs], reader, pairs)
                 d8 = [builder.fmul(read_d(context, builder, src_ty, src_v, o),
                                    ir.Constant(ir.FloatType(), d_factor)) for o in offsets]
                 return [(t, builder.fmul(d, _elem(context, builder, xd_ty, xd_v, b)))
@@ -1368,9 +1399,9 @@ def _planes_blocks(context, builder, grid_ty, grid, blocks, offset=None):
 
 
 fdot_iq2_xs_blocks, fdot_iq2_xs_row = _iq2_dots(_iq2_xs_blocks, 74, "iq2_xs")
-fdot_iq2_xxs_blocks, fdot_iq2_xxs_row = _iq2_dots(_iq2_xxs_blocks, 66, "iq2_xxs")
+fdot_iq2_xxs_blocks, fdot_iq2_xxs_row = _iq2_dots(_iq2_xxs_blocks, 66, "iq2_xxs", pairs=False)
 fdot_iq3_xxs_blocks, fdot_iq3_xxs_row = _iq2_dots(_iq3_xxs_blocks, 98, "iq3_xxs", d_factor=0.25, table=_u32_table)
-fdot_iq2_s_blocks, fdot_iq2_s_row = _iq2_dots(_iq2_s_blocks, 82, "iq2_s")
+fdot_iq2_s_blocks, fdot_iq2_s_row = _iq2_dots(_iq2_s_blocks, 82, "iq2_s", pairs=False)
 fdot_iq3_s_blocks, fdot_iq3_s_row = _iq2_dots(_iq3_s_blocks, 110, "iq3_s", d_factor=1.0, table=_u32_table)
 fdot_iq1_s_blocks, fdot_iq1_s_row = _iq2_dots(_iq1_s_blocks, 50, "iq1_s")
 fdot_iq1_m_blocks, fdot_iq1_m_row = _iq2_dots(_iq1_m_blocks, 56, "iq1_m", d_at=_iq1_m_d)
