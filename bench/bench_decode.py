@@ -15,7 +15,9 @@ Measures, all with the same thread count:
 - strata-async decode tokens/s (median over single-token steps after a short prompt) and prefill
   tokens/s on a --prompt-token prompt (median of --prefill-repeats), twice: with float32 activations (the
   reference numerics, the default) and with activations rounded to int8 blocks as ggml does
-  (quantized_activations=True: integer dots for Q8_0 / Q4_K / Q6_K / Q2_K / IQ2_XS / Q2_0 weights);
+  (quantized_activations=True: integer dots for every quantized type);
+- IQ2_XS files run as the engine loads them by default: repacked into IQ2_XS_PLANES where the CPU has AVX-512 VBMI
+  (--repack never: as they lie); the bytes a token reads as the engine holds them are recorded next to the file's;
 - llama.cpp (llama-cpp-python) on the same file and threads when it is installed, alternating with
   strata-async repeat by repeat, and the ratio.
 Results: bench/results/decode_<tag>.json and .md.
@@ -35,7 +37,10 @@ from pathlib import Path
 
 import numpy as np
 from strata_async.io import open_gguf
-from strata_async.runtime import load_runtime
+from strata_async.kernels.quant_iq import IQ2_XS
+from strata_async.kernels.simd import PLANES_BYTES
+from strata_async.runtime import LoadOptions, load_runtime
+from strata_async.runtime.weights import REPACK_MODES, repacks_iq2_xs
 
 from bench_kernels import ram_read_gbps
 
@@ -50,8 +55,9 @@ def read_bandwidth(threads: int) -> dict[str, float]:
             "numpy_1thread_gbps": one["numpy"]}
 
 
-def bytes_per_token(path: str) -> dict[str, int]:
-    """Bytes a decoded token must read from the file, by kind of tensor."""
+def bytes_per_token(path: str, iq2_xs_growth: float = 1.0) -> dict[str, int]:
+    """Bytes a decoded token must read from the file, by kind of tensor; with iq2_xs_growth, those of IQ2_XS
+    tensors times it (as the engine holds them repacked)."""
     with open_gguf(path) as f:
         md = f.metadata
         arch = md["general.architecture"]
@@ -61,14 +67,15 @@ def bytes_per_token(path: str) -> dict[str, int]:
         for name, t in f.tensors.items():
             if name.startswith("blk.") and int(name.split(".")[1]) >= n_layers:
                 continue  # multi-token-prediction block: not run by plain decoding
+            size = round(t.data.nbytes * iq2_xs_growth) if t.ggml_type == IQ2_XS else t.data.nbytes
             if "_exps." in name:
-                parts["routed_experts"] += t.data.nbytes * used // n_experts
+                parts["routed_experts"] += size * used // n_experts
             elif name == "token_embd.weight":
-                parts["embedding_row"] += t.row_bytes
+                parts["embedding_row"] += t.row_bytes  # looked up as it lies
             elif name == "output.weight":
-                parts["output_head"] += t.data.nbytes
+                parts["output_head"] += size
             else:
-                parts["other"] += t.data.nbytes
+                parts["other"] += size
     parts["total"] = sum(parts.values())
     return parts
 
@@ -216,6 +223,10 @@ def markdown(r: dict) -> str:
              (f"- roofline: {r['roofline_tok_s']:.1f} tok/s; strata-async reaches "
              f"{100 * r['roofline_fraction']:.1f}% of it (float activations), "
              f"{100 * r['roofline_fraction_int8']:.1f}% (int8 activations)")]
+    if r.get("iq2_xs_repacked"):
+        rows.append(f"- IQ2_XS repacked at load to IQ2_XS_PLANES (kernels/quant_planes.py): a token reads "
+                    f"{r['bytes_per_token_held']['total'] / 1e6:.1f} MB as the engine holds it; the roofline "
+                    f"counts the file's bytes")
     if r.get("llama_cpp_extra_buffer_types") is False:
         rows.append("- llama.cpp ran without its extra weight buffer types (repacked and AMX layouts): with them it "
                     "crashed on this file")
@@ -238,15 +249,21 @@ def main() -> int:
     ap.add_argument("--prefill-repeats", type=int, default=5)
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp even if it is installed")
     ap.add_argument("--tag", default=None)
+    ap.add_argument("--repack", choices=REPACK_MODES, default="auto",
+                    help="IQ2_XS as IQ2_XS_PLANES (the default where the CPU can) or as it lies in the file")
     a = ap.parse_args()
 
     loadavg = [round(x, 2) for x in os.getloadavg()]
     bandwidth = read_bandwidth(a.threads)
     per_token = bytes_per_token(a.model)
     reread_from_disk(a.model)
-    rt = load_runtime(a.model, threads=a.threads, max_context=a.prompt + a.decode_tokens + 16)
+    options = LoadOptions(repack=a.repack)
+    rt = load_runtime(a.model, threads=a.threads, max_context=a.prompt + a.decode_tokens + 16, options=options)
     rt_int8 = load_runtime(a.model, threads=a.threads, max_context=a.prompt + a.decode_tokens + 16,
-                           quantized_activations=True)
+                           quantized_activations=True, options=options)
+    with open_gguf(a.model) as f:
+        repacked = repacks_iq2_xs(f, a.repack)
+    held = bytes_per_token(a.model, PLANES_BYTES / 74 if repacked else 1.0)
     rng = np.random.default_rng(0)  # ids below 1000: real (unpadded) tokens of any vocabulary
     short_prompt = rng.integers(0, 1000, 8)
     long_prompt = rng.integers(0, 1000, a.prompt)
@@ -297,6 +314,7 @@ def main() -> int:
                                  cwd=Path(__file__).parent).stdout.strip(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
         "loadavg_before": loadavg, "bandwidth": bandwidth, "bytes_per_token": per_token,
+        "iq2_xs_repacked": repacked, "bytes_per_token_held": held,
         "roofline_tok_s": roofline,
         "strata_async": summary(mine),
         "strata_async_int8": summary(mine_int8),

@@ -28,13 +28,20 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from synth_gguf import _quantized_pool, random_blocks
 
-from strata_async.kernels import quant
+from strata_async.kernels import quant, quant_planes
 from strata_async.kernels.quant_legacy import Q2_0
+from strata_async.kernels.quant_planes import IQ2_XS_PLANES
 from strata_async.kernels.simd import fdot_f32_64, prefetch_l2
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "IQ1_S", "IQ2_XXS", "IQ2_XS",
-         "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "MXFP4", "Q2_0")
+         "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "MXFP4", "Q2_0", "IQ2_XS_PLANES")
+# The engine's own load-time layouts: made from the file type's random blocks (kernels/quant_planes.py).
+MADE_FROM = {"IQ2_XS_PLANES": ("IQ2_XS", quant_planes.repack)}
+
+
+def _type_id(name: str) -> int:
+    return {"Q2_0": Q2_0, "IQ2_XS_PLANES": IQ2_XS_PLANES}.get(name) or int(getattr(Q, name))
 
 
 @numba.njit(parallel=True, nogil=True, fastmath=True)
@@ -110,10 +117,15 @@ def main() -> int:
     x = rng.standard_normal(a.k).astype(np.float32)
     rows = []
     for name in TYPES:
-        t = Q2_0 if name == "Q2_0" else int(getattr(Q, name))
-        block_elems = quant.block_size(t)[0]
-        pool = _quantized_pool(t, rng)  # real quantizer output where there is one (_quantized_pool), else random
-        w = random_blocks(t, a.rows * a.k // block_elems, rng, pool=pool).reshape(a.rows, -1)
+        t = _type_id(name)
+        if name in MADE_FROM and not quant_planes.AVAILABLE:
+            continue
+        source, make = MADE_FROM.get(name, (name, None))
+        s_t = _type_id(source)
+        block_elems = quant.block_size(s_t)[0]
+        pool = _quantized_pool(s_t, rng)  # real quantizer output where there is one (_quantized_pool), else random
+        w = random_blocks(s_t, a.rows * a.k // block_elems, rng, pool=pool).reshape(a.rows, -1)
+        w = make(w) if make else w
         n = a.rows * a.k
         for act_quant in (False, True):
             s = kernel_rate(w, t, x, act_quant, a.repeats)
@@ -134,7 +146,7 @@ def main() -> int:
           "| type | activations | kernel | ns / weight | weight GB/s per core | vs one core's RAM rate |",
           "|---|---|---|---:|---:|---:|"]
     for r in rows:
-        fused = bool(quant.quant_dispatch.has_fused_dot(Q2_0 if r["type"] == "Q2_0" else int(getattr(Q, r["type"]))))
+        fused = bool(quant.quant_dispatch.has_fused_dot(_type_id(r["type"])))
         kind = "integer dot" if r["integer_dot"] else ("fused float dot" if fused else "decode row, float dot")
         md.append(f"| {r['type']} | {r['activations']} | {kind} | {r['ns_per_weight']:.3f} | "
                   f"{r['weight_gbps_per_core']:.2f} | {r['weight_gbps_per_core'] / ram[1]:.2f}x |")
