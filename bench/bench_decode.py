@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 from strata_async.io import open_gguf
+from strata_async.kernels import quant  # noqa: F401 - first: the format modules import each other through it
 from strata_async.kernels.quant_iq import IQ2_XS
 from strata_async.kernels.simd import PLANES_BYTES
 from strata_async.runtime import LoadOptions, load_runtime
