@@ -20,7 +20,7 @@ from .ggml_blocks import f16
 from .quant import register_type
 from .quant_iq import _IQ2XS_TABLES, _IQ2XS_WORDS, _KSIGNS
 from .simd import (HAS_F16C, HAS_VBMI_BITALG, IQ2_XS_MAGNITUDES, PLANES_BYTES, PLANES_LEVELS, PLANES_SCALES,
-                   PLANES_SIGNS, fdot_planes_blocks, fdot_planes_row)
+                   PLANES_SIGNS, dequant_planes_block, fdot_planes_blocks, fdot_planes_row)
 
 IQ2_XS_PLANES = 1017  # an in-memory type: ggml's numbering stops far below
 _IQ2_XS_BYTES = 74
@@ -79,7 +79,16 @@ def _value(src, o, v):
 @numba.njit(nogil=True, fastmath=False)
 def dequant_planes(src, dst):
     """One row of IQ2_XS_PLANES blocks to float32, in ggml's dequantize_row_iq2_xs order: per 16 values db = d *
-    (0.5 + s) * 0.25, then db * magnitude, negated where the sign bit is set."""
+    (0.5 + s) * 0.25, then db * magnitude, negated where the sign bit is set (simd.dequant_planes_block, 64 values
+    a step)."""
+    for b in range(dst.shape[0] // _QK):
+        o = PLANES_BYTES * b
+        dequant_planes_block(_IQ2XS_TABLES, src, o, f16(src, o), dst, _QK * b)
+
+
+@numba.njit(nogil=True, fastmath=False)
+def dequant_planes_loop(src, dst):
+    """dequant_planes value by value (the tests' second reading of the layout)."""
     for b in range(dst.shape[0] // _QK):
         o = PLANES_BYTES * b
         d = f16(src, o)

@@ -66,6 +66,9 @@ def test_dequantize_bit_exact_with_gguf(rng):
         want = gguf_quants.dequantize(w, gguf.GGMLQuantizationType.IQ2_XS).reshape(rows, k)
         assert np.any(got != 0)
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+        one_by_one = np.empty(k, np.float32)
+        quant_planes.dequant_planes_loop(p[0], one_by_one)
+        np.testing.assert_array_equal(one_by_one.view(np.uint32), want[0].view(np.uint32))
 
 
 @needs_planes
