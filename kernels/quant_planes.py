@@ -6,7 +6,7 @@ those back together (the grid look-up, the signs, the per-step bit spreading), n
 from the cache on a Zen 4 core, where Q4_K's dot takes 0.035. The planes hold the same values ready for the vector
 unit: each value's magnitude level as 2 bits (four steps of 64 values in one 64-byte vector), its sign as a bit
 (a step's 64 signs are one mask register), the fp16 d and the 4-bit run scales as IQ2_XS has them
-(simd.PLANES_*). 106 bytes per 256 values where IQ2_XS takes 74: 1.43x the memory, never twice, for a dot ~1.7x
+(simd.PLANES_*). 106 bytes per 256 values where IQ2_XS takes 74: 1.43x the memory, never twice, for a dot 1.5-1.75x
 as fast (bench/README.md). Nothing is lost or rounded: the values, scales and so every product are IQ2_XS's.
 
 The engine repacks IQ2_XS tensors at load (runtime/weights.py) where the CPU has AVX-512 VBMI and the result fits

@@ -7,7 +7,7 @@ weights, gates' biases, convolution kernels) are decoded to float32 once, at loa
 and ``WeightStore.decoded``.
 
 The one exception to "no copy": IQ2_XS matrices are repacked at load into IQ2_XS_PLANES (kernels/quant_planes.py),
-whose dots run ~1.7x as fast on CPUs with AVX-512 VBMI, at 1.43x the bytes. ``repack`` decides: "auto" where the
+whose dots run 1.5-1.75x as fast on CPUs with AVX-512 VBMI, at 1.43x the bytes. ``repack`` decides: "auto" where the
 CPU has the instructions and the model, so grown, takes at most REPACK_RAM_SHARE of the machine's memory;
 "always" where the CPU has them; "never". The repacked bytes are anonymous memory; the file's pages they came
 from are read once and left to the page cache.

@@ -109,7 +109,7 @@ def add_load_options(parser: argparse.ArgumentParser) -> None:
                              "the first use of each page (each expert's first tokens) pays a page fault, or a "
                              "drive read when the page cache lacks it (default: fault them all in at load)")
     parser.add_argument("--repack", choices=REPACK_MODES, default="auto",
-                        help="IQ2_XS matrices repacked at load into a layout whose CPU products run ~1.7x as fast, "
+                        help="IQ2_XS matrices repacked at load into a layout whose CPU products run 1.5-1.75x as fast, "
                              "at 1.43x their memory: 'auto' where the CPU has AVX-512 VBMI and the model, so "
                              "grown, fits in 80%% of the RAM; 'always' where the CPU has it; 'never' "
                              "(default: auto)")

@@ -36,9 +36,9 @@ def load(path: str | os.PathLike[str] | None = None, *, threads: int | None = No
     to fault on first use (a faster start, slower first tokens per expert); load_progress(done, total bytes)
     is called as the pages go in (the repacked ones first). keep_freed_buffers: set glibc's malloc to keep the
     buffers each forward step frees mapped for the next (runtime/host_memory.py: prompts ~10% faster); False leaves
-    the process's allocator as it is. repack: IQ2_XS matrices repacked at load into a layout whose CPU dots run ~1.7x as fast,
-    at 1.43x their memory (kernels/quant_planes.py): "auto" where the CPU has AVX-512 VBMI and the model, so grown,
-    fits in 80% of the RAM; "always" where the CPU has it; "never".
+    the process's allocator as it is. repack: IQ2_XS matrices repacked at load into a layout whose CPU dots run
+    1.5-1.75x as fast, at 1.43x their memory (kernels/quant_planes.py): "auto" where the CPU has AVX-512 VBMI and
+    the model, so grown, fits in 80% of the RAM; "always" where the CPU has it; "never".
     """
     is_default = path is None
     path = default_model_path() if path is None else Path(path)
