@@ -39,9 +39,8 @@ import numpy as np
 from strata_async.io import open_gguf
 from strata_async.kernels import quant  # noqa: F401 - first: the format modules import each other through it
 from strata_async.kernels.quant_iq import IQ2_XS
-from strata_async.kernels.simd import PLANES_BYTES
 from strata_async.runtime import LoadOptions, load_runtime
-from strata_async.runtime.weights import REPACK_MODES, repacks_iq2_xs
+from strata_async.runtime.weights import IQ2_XS_GROWTH, REPACK_MODES, repacks_iq2_xs
 
 from bench_kernels import ram_read_gbps
 
@@ -264,7 +263,7 @@ def main() -> int:
                            quantized_activations=True, options=options)
     with open_gguf(a.model) as f:
         repacked = repacks_iq2_xs(f, a.repack)
-    held = bytes_per_token(a.model, PLANES_BYTES / 74 if repacked else 1.0)
+    held = bytes_per_token(a.model, IQ2_XS_GROWTH if repacked else 1.0)
     rng = np.random.default_rng(0)  # ids below 1000: real (unpadded) tokens of any vocabulary
     short_prompt = rng.integers(0, 1000, 8)
     long_prompt = rng.integers(0, 1000, a.prompt)

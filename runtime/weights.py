@@ -15,11 +15,9 @@ from are read once and left to the page cache.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -30,8 +28,10 @@ from strata_async.kernels.quant_iq import IQ2_XS
 from strata_async.kernels.quant_planes import IQ2_XS_PLANES
 
 REPACK_MODES = ("auto", "always", "never")
-# "auto" repacks while the model, its IQ2_XS tensors grown by 106 / 74, takes at most this share of the RAM
+# "auto" repacks while the model, its IQ2_XS tensors grown by IQ2_XS_GROWTH, takes at most this share of the RAM
 REPACK_RAM_SHARE = 0.8
+_IQ2_XS_BLOCK_BYTES = quant.block_size(IQ2_XS)[1]
+IQ2_XS_GROWTH = quant_planes.PLANES_BYTES / _IQ2_XS_BLOCK_BYTES  # bytes of planes per byte of IQ2_XS (106 / 74)
 
 
 class WeightError(ValueError):
@@ -94,7 +94,7 @@ def repacks_iq2_xs(gguf: GGUFFile, mode: str, ram: int | None = None) -> bool:
         return True
     iq2_xs = sum(t.data.nbytes for t in gguf.tensors.values() if t.ggml_type == IQ2_XS)
     total = sum(t.data.nbytes for t in gguf.tensors.values())
-    grown = total + iq2_xs * (quant_planes.PLANES_BYTES - 74) / 74
+    grown = total + iq2_xs * (IQ2_XS_GROWTH - 1)
     return iq2_xs > 0 and grown <= REPACK_RAM_SHARE * (physical_memory() if ram is None else ram)
 
 
@@ -139,7 +139,8 @@ class WeightStore:
         self.handed_out.append(name)
         if repack and self.repack and info.ggml_type == IQ2_XS:
             if name not in self._planes:  # asked for again (a tied head): the same planes
-                planes = np.empty((*shape[:-1], info.row_bytes // 74 * quant_planes.PLANES_BYTES), np.uint8)
+                planes = np.empty((*shape[:-1], info.row_bytes // _IQ2_XS_BLOCK_BYTES * quant_planes.PLANES_BYTES),
+                                  np.uint8)
                 self._pending.append((info, planes))
                 self._planes[name] = QTensor(name, IQ2_XS_PLANES, shape, planes)
             return self._planes[name]
