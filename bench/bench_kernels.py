@@ -5,7 +5,8 @@
 For each weight type, a matrix of --rows x --k random valid blocks small enough to stay in the L2 cache is
 multiplied by a vector again and again on one thread, with float32 activations (the fused float dots) and
 with int8 activations rounded as ggml rounds them (the integer dots where the type has them). Reported: ns
-per weight and the weight bytes per second one core consumes, next to one core's read bandwidth from RAM
+per weight two ways (a compiled loop over the dispatch's row dots, and quant.matvec calls from Python), and
+the weight bytes per second one core consumes in the loop, next to one core's read bandwidth from RAM
 (the faster of numpy's sum and Numba's vector loads over 1 GiB, best of 5 passes). Where a kernel's in-cache rate is
 below the RAM rate, decode cannot reach the memory roofline whatever the memory does: the kernel's compute
 is the bound.
@@ -29,6 +30,9 @@ from gguf import GGMLQuantizationType as Q
 from synth_gguf import _quantized_pool, random_blocks
 
 from strata_async.kernels import quant, quant_planes
+from strata_async.kernels.quant_dispatch import _FASTMATH, float_dots, int_dots
+from strata_async.kernels.quant_dot import block_sums32
+from strata_async.kernels.quant_int import q8_activations
 from strata_async.kernels.quant_legacy import Q2_0
 from strata_async.kernels.quant_planes import IQ2_XS_PLANES
 from strata_async.kernels.simd import fdot_f32_64, prefetch_l2
@@ -93,8 +97,43 @@ def ram_read_gbps(threads: int, nbytes: int = 1 << 30, passes: int = 5) -> dict[
     return {"best": max(numba_gbps, numpy_gbps), "numpy": numpy_gbps, "numba": numba_gbps}
 
 
-def kernel_rate(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool, repeats: int) -> float:
-    """Median seconds of one matvec (one thread)."""
+@numba.njit(nogil=True, fastmath=_FASTMATH)
+def _int_loop(t, w, xq, xd, xs16, out, reps):
+    for _ in range(reps):
+        int_dots(t, w, 0, w.shape[0], xq, xd, xs16, out, 0)
+
+
+@numba.njit(nogil=True, fastmath=_FASTMATH)
+def _float_loop(t, w, x, xsum32, scratch, out, reps):
+    for _ in range(reps):
+        float_dots(t, w, 0, w.shape[0], x, xsum32, scratch, out, 0)
+
+
+def loop_rate(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool, repeats: int) -> float:
+    """Median seconds of one product in a compiled loop of 20 over the dispatch's row dots (one thread): the
+    kernel alone. quant.matvec's Python call (argument checks, the output array, the activations' rounding) costs
+    microseconds, as much as a 256 x 2048 product's dots for the faster types; a decoded token's products run in
+    compiled calls of whole matrices and layers."""
+    out = np.empty(w.shape[0], np.float32)
+    if act_quant and quant.quant_dispatch.has_int_dot(ggml_type):
+        xq, xd, xs16 = q8_activations(x, quant._format(ggml_type).act_block)
+        args = (_int_loop, ggml_type, w, xq.view(np.uint8), xd, xs16, out, 20)
+    else:
+        xa = quant.quantize_activations(x, ggml_type) if act_quant else x
+        xsum32 = np.empty(max(1, xa.shape[0] // 32), np.float32)
+        block_sums32(xa, xsum32)
+        args = (_float_loop, ggml_type, w, xa, xsum32, np.empty(xa.shape[0], np.float32), out, 20)
+    args[0](*args[1:])
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        args[0](*args[1:])
+        times.append((time.perf_counter() - t) / 20)
+    return float(np.median(times))
+
+
+def matvec_rate(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool, repeats: int) -> float:
+    """Median seconds of one quant.matvec call from Python (one thread)."""
     quant.matvec(w, ggml_type, x, act_quant)
     times = []
     for _ in range(repeats):
@@ -128,11 +167,12 @@ def main() -> int:
         w = make(w) if make else w
         n = a.rows * a.k
         for act_quant in (False, True):
-            s = kernel_rate(w, t, x, act_quant, a.repeats)
+            s = loop_rate(w, t, x, act_quant, a.repeats)
+            call = matvec_rate(w, t, x, act_quant, a.repeats)
             rows.append({"type": name, "activations": "int8" if act_quant else "float32",
                          "integer_dot": bool(act_quant and quant.quant_dispatch.has_int_dot(t)),
                          "ns_per_weight": s / n * 1e9, "weight_gbps_per_core": w.nbytes / s / 1e9,
-                         "bytes_per_weight": w.nbytes / n})
+                         "matvec_call_ns_per_weight": call / n * 1e9, "bytes_per_weight": w.nbytes / n})
     result = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
               "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False,
                                        cwd=Path(__file__).parent).stdout.strip(),
@@ -140,16 +180,19 @@ def main() -> int:
               "matrix": [a.rows, a.k], "ram_read_gbps": ram, "kernels": rows}
     md = ["# Decode kernels from the cache vs RAM bandwidth", "",
           f"{result['date']}, commit {result['commit'][:12]}, {result['machine']}; a {a.rows} x {a.k} matrix "
-          f"(L2-resident) times a vector, one thread, median of {a.repeats} x 20 products.", "",
+          f"(L2-resident) times a vector, one thread, median of {a.repeats} x 20 products: in a compiled loop (the "
+          "kernel alone), and as quant.matvec calls from Python (each call's checks and arrays included).", "",
           f"RAM read bandwidth: {ram[1]:.1f} GB/s on one thread, "
           f"{ram[numba.config.NUMBA_NUM_THREADS]:.1f} GB/s on {numba.config.NUMBA_NUM_THREADS}.", "",
-          "| type | activations | kernel | ns / weight | weight GB/s per core | vs one core's RAM rate |",
-          "|---|---|---|---:|---:|---:|"]
+          "| type | activations | kernel | ns / weight | weight GB/s per core | vs one core's RAM rate "
+          "| ns / weight, matvec call |",
+          "|---|---|---|---:|---:|---:|---:|"]
     for r in rows:
         fused = bool(quant.quant_dispatch.has_fused_dot(_type_id(r["type"])))
         kind = "integer dot" if r["integer_dot"] else ("fused float dot" if fused else "decode row, float dot")
         md.append(f"| {r['type']} | {r['activations']} | {kind} | {r['ns_per_weight']:.3f} | "
-                  f"{r['weight_gbps_per_core']:.2f} | {r['weight_gbps_per_core'] / ram[1]:.2f}x |")
+                  f"{r['weight_gbps_per_core']:.2f} | {r['weight_gbps_per_core'] / ram[1]:.2f}x | "
+                  f"{r['matvec_call_ns_per_weight']:.3f} |")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "kernels.json").write_text(json.dumps(result, indent=2) + "\n")
     (RESULTS / "kernels.md").write_text("\n".join(md) + "\n")
