@@ -28,8 +28,7 @@ from .quant_k import Q2_K, Q4_K, Q6_K
 from .quant_legacy import Q2_0
 from .quant_planes import IQ2_XS_PLANES
 from .quant_q8 import Q8_0
-from .simd import prefetch_l2
-from .simd import PLANES_BYTES
+from .simd import PLANES_BYTES, prefetch_l2
 from .simd_gemm import (ROWS, crumb_codes64, interleave16, iq2_xs_codes256, iq2_xs_codes256_pair,
                         iq2_xs_tile_scales, planes_codes256, planes_tile_scales, q2_0_tile_scales, q2_k_tile_scales,
                         q4_k_tile_scales, q6_codes32, q6_k_tile_scales, q8_0_tile64, q8_0_tile_scales, unpack_codes32)

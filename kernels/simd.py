@@ -1360,19 +1360,22 @@ def _planes_blocks(context, builder, grid_ty, grid, blocks, offset=None):
     v64 = ir.VectorType(_I8, 64)
     mask64 = ir.VectorType(ir.IntType(1), 64)
 
+    def shift(s):  # where step s's level sits in its index byte (step 3's index is shifted down first)
+        return 2 * s if s < 3 else 0
+
     def table(s, sign):
-        shift = 2 * s if s < 3 else 0
-        return _vec_const(8, [((offset or 0) + sign * IQ2_XS_MAGNITUDES[i >> shift & 3]) % 256
-                              if i >> shift & 3 < 3 else 0 for i in range(64)])
+        return _vec_const(8, [((offset or 0) + sign * IQ2_XS_MAGNITUDES[i >> shift(s) & 3]) % 256
+                              if i >> shift(s) & 3 < 3 else 0 for i in range(64)])
+
     def look_up(tbl, index, s):
         if HAS_VBMI_BITALG:
             return _x86(builder, "llvm.x86.avx512.permvar.qi.512", v64, [tbl, index])
         # without VBMI (where the engine makes no planes, but the kernels that branch on the type still compile):
         # the table's entries for the step's four levels by selects
-        level = builder.and_(builder.lshr(index, _vec_const(8, [2 * s if s < 3 else 0] * 64)), _vec_const(8, [3] * 64))
+        level = builder.and_(builder.lshr(index, _vec_const(8, [shift(s)] * 64)), _vec_const(8, [3] * 64))
         out = ir.Constant(v64, [0] * 64)
         for lv in range(3):
-            entry = _shuffle(builder, tbl, [lv << (2 * s if s < 3 else 0)] * 64)
+            entry = _shuffle(builder, tbl, [lv << shift(s)] * 64)
             out = builder.select(builder.icmp_unsigned("==", level, _vec_const(8, [lv] * 64)), entry, out)
         return out
     steppers = []
