@@ -27,11 +27,16 @@ from strata_async.kernels import quant, quant_planes
 from strata_async.kernels.quant_iq import IQ2_XS
 from strata_async.kernels.quant_planes import IQ2_XS_PLANES
 
+from .placement import MTP_LAYER, decoder_layers, tensor_part
+
 REPACK_MODES = ("auto", "always", "never")
 # "auto" repacks while the model, its IQ2_XS tensors grown by IQ2_XS_GROWTH, takes at most this share of the RAM
 REPACK_RAM_SHARE = 0.8
 _IQ2_XS_BLOCK_BYTES = quant.block_size(IQ2_XS)[1]
 IQ2_XS_GROWTH = quant_planes.PLANES_BYTES / _IQ2_XS_BLOCK_BYTES  # bytes of planes per byte of IQ2_XS (106 / 74)
+# Tables read a row at a time stay as they lie under any repack mode: a token's rows are a few look-ups, where
+# planes would hold 1.43x the bytes for nothing (a head tied to the token embeddings reads them as they lie too).
+ROW_TABLES = frozenset({"token_embd.weight", "per_layer_token_embd.weight"})
 
 
 class WeightError(ValueError):
@@ -78,6 +83,23 @@ def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def repacked_bytes(gguf: GGUFFile) -> int:
+    """The file's IQ2_XS bytes that a repacking WeightStore holds as planes: every IQ2_XS tensor but ROW_TABLES and
+    the multi-token-prediction blocks' (which no model here loads)."""
+    n_layers = decoder_layers(gguf)
+    return sum(int(t.data.nbytes) for name, t in gguf.tensors.items()
+               if t.ggml_type == IQ2_XS and name not in ROW_TABLES and tensor_part(name, n_layers) != MTP_LAYER)
+
+
+def held_bytes(gguf: GGUFFile, repack: bool) -> int:
+    """Bytes of the model's tensors as the CPU engine holds them: as they lie in the file, the repacked ones as
+    planes where `repack`."""
+    total = sum(int(t.data.nbytes) for t in gguf.tensors.values())
+    if not repack:
+        return total
+    return total + repacked_bytes(gguf) // _IQ2_XS_BLOCK_BYTES * (quant_planes.PLANES_BYTES - _IQ2_XS_BLOCK_BYTES)
+
+
 def repacks_iq2_xs(gguf: GGUFFile, mode: str, ram: int | None = None) -> bool:
     """Whether IQ2_XS matrices become IQ2_XS_PLANES at load under repack mode `mode` (REPACK_MODES), given the
     machine's RAM (default: physical_memory())."""
@@ -92,10 +114,8 @@ def repacks_iq2_xs(gguf: GGUFFile, mode: str, ram: int | None = None) -> bool:
         return False
     if mode == "always":
         return True
-    iq2_xs = sum(t.data.nbytes for t in gguf.tensors.values() if t.ggml_type == IQ2_XS)
-    total = sum(t.data.nbytes for t in gguf.tensors.values())
-    grown = total + iq2_xs * (IQ2_XS_GROWTH - 1)
-    return iq2_xs > 0 and grown <= REPACK_RAM_SHARE * (physical_memory() if ram is None else ram)
+    return repacked_bytes(gguf) > 0 and held_bytes(gguf, True) <= REPACK_RAM_SHARE * (
+        physical_memory() if ram is None else ram)
 
 
 class WeightStore:
@@ -112,13 +132,13 @@ class WeightStore:
     def has(self, name: str) -> bool:
         return name in self.gguf.tensors
 
-    def tensor(self, name: str, shape: Sequence[int], repack: bool = True) -> QTensor:
+    def tensor(self, name: str, shape: Sequence[int], repack: bool | None = None) -> QTensor:
         """The tensor ``name`` as rows of ggml blocks; ``shape`` in numpy order (last = row length).
 
         A 2-D expected shape also accepts a stored [1, n] / [n] vector of the same size, as converters differ
         in how they write one-row matrices. An IQ2_XS tensor comes as IQ2_XS_PLANES where the store repacks
-        (and `repack`: False for a table read a row at a time, such as the token embeddings); its bytes are
-        filled by load_pages, which must run before the model computes.
+        and `repack` (default: unless it is one of ROW_TABLES, read a row at a time); its bytes are filled by
+        load_pages, which must run before the model computes.
         """
         info = self.gguf.tensors.get(name)
         if info is None:
@@ -137,6 +157,8 @@ class WeightStore:
         # A plain ndarray view of the mapping: np.memmap's Python-level slicing hooks cost ~2 us per use.
         data = np.asarray(info.data).reshape(*shape[:-1], info.row_bytes)
         self.handed_out.append(name)
+        if repack is None:
+            repack = name not in ROW_TABLES
         if repack and self.repack and info.ggml_type == IQ2_XS:
             if name not in self._planes:  # asked for again (a tied head): the same planes
                 planes = np.empty((*shape[:-1], info.row_bytes // _IQ2_XS_BLOCK_BYTES * quant_planes.PLANES_BYTES),

@@ -19,7 +19,7 @@ import orjson
 from . import __version__
 
 if TYPE_CHECKING:
-    from .model_info import ModelInfo
+    from .model_info import ModelInfo, RepackInfo
 
 EXIT_USER_ERROR = 2
 GIB = 1 << 30
@@ -284,6 +284,8 @@ def _info_text(info: ModelInfo) -> str:
         t = info.ngram_table
         lines.append(f"  n-gram table  {format_bytes(t.nbytes)}: {t.rows} rows of {t.row_bytes} B ({t.ggml_type}), "
                      f"read by layer {t.layer} from {t.tier}")
+    if info.repack is not None:
+        lines.append(_repack_text(info.repack))
     lines += [
         "",
         f"  {'part':<16}{'tensors':>8}{'size':>12}  {'CPU engine':<17}GPU plan",
@@ -303,6 +305,23 @@ def _info_text(info: ModelInfo) -> str:
             lines.append(f"  does NOT fit {budget} of VRAM: the always-in-VRAM parts need "
                          f"{format_bytes(table.vram_required)}")
     return "\n".join(lines)
+
+
+def _repack_text(r: RepackInfo) -> str:
+    from .model_info import format_bytes
+    from .runtime.weights import REPACK_RAM_SHARE
+
+    planes = r.iq2_xs_bytes + r.held_bytes - r.file_tensor_bytes
+    grown = (f"{format_bytes(r.iq2_xs_bytes)} of IQ2_XS matrices become {format_bytes(planes)} of planes: the CPU "
+             f"engine holds {format_bytes(r.held_bytes)} for the file's {format_bytes(r.file_tensor_bytes)}")
+    if r.auto:
+        return f"  repack        {grown} (--repack auto does here)"
+    if r.held_bytes > REPACK_RAM_SHARE * r.ram_bytes:
+        why = (f"the model so grown is over {REPACK_RAM_SHARE:.0%} of this machine's {format_bytes(r.ram_bytes)} "
+               f"of RAM")
+    else:
+        why = "this CPU lacks AVX-512 VBMI"
+    return f"  repack        where repacked, {grown}; --repack auto keeps them as they lie here: {why}"
 
 
 if __name__ == "__main__":

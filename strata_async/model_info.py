@@ -13,8 +13,9 @@ from .runtime.config import ModelConfig
 from .runtime.placement import EMBEDDINGS, MTP_LAYER, NGRAM_TABLE, NGRAM_TIERS, ROUTED_EXPERTS, PlacementTable
 from .runtime.placement import decoder_layers
 from .runtime.placement import placement_table, tensor_part
+from .runtime.weights import held_bytes, physical_memory, repacked_bytes, repacks_iq2_xs
 
-__all__ = ["ModelInfo", "NGramTableInfo", "TypeCount", "describe", "format_bytes", "format_count"]
+__all__ = ["ModelInfo", "NGramTableInfo", "RepackInfo", "TypeCount", "describe", "format_bytes", "format_count"]
 
 RANDOM_WEIGHTS_MARK = "random weights"  # the default model's general.name carries it
 
@@ -39,6 +40,7 @@ class ModelInfo:
     tensor_types: list[TypeCount] = field(default_factory=list)  # largest first
     placement: PlacementTable | None = None
     ngram_table: NGramTableInfo | None = None  # qwen4exp's PLE table, when the file has one
+    repack: RepackInfo | None = None  # when the file has IQ2_XS matrices, which load can repack
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,25 @@ class NGramTableInfo:
     ggml_type: str
     tier: str  # where the engine reads it from with the chosen --ple-io
     layer: int | None  # the decoder layer that uses it
+
+
+@dataclass(frozen=True)
+class RepackInfo:
+    """What the CPU engine holds of a file with IQ2_XS matrices (runtime/weights.py: repacked at load into
+    IQ2_XS_PLANES, 1.43x the bytes, where the CPU has AVX-512 VBMI and --repack says so)."""
+    iq2_xs_bytes: int  # the file's IQ2_XS bytes that a repack turns into planes
+    held_bytes: int  # the model's bytes as the CPU engine holds them repacked
+    file_tensor_bytes: int  # ... and as they lie
+    auto: bool  # whether --repack auto (the default) repacks on this machine
+    ram_bytes: int  # this machine's RAM, which auto's rule reads
+
+
+def _repack(gguf: GGUFFile) -> RepackInfo | None:
+    iq2_xs = repacked_bytes(gguf)
+    if not iq2_xs:
+        return None
+    return RepackInfo(iq2_xs, held_bytes(gguf, True), held_bytes(gguf, False), repacks_iq2_xs(gguf, "auto"),
+                      physical_memory())
 
 
 def _ngram_table(gguf: GGUFFile, ple_io: str) -> NGramTableInfo | None:
@@ -101,6 +122,7 @@ def describe(gguf: GGUFFile, vram_bytes: int | None = None, ple_io: str = "direc
         tensor_types=types,
         placement=placement_table(gguf, vram_bytes, ple_io),
         ngram_table=_ngram_table(gguf, ple_io),
+        repack=_repack(gguf),
     )
 
 

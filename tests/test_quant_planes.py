@@ -14,10 +14,12 @@ from parity import PROMPT_ID_LIMIT, rewrite_gguf
 from test_gguf_io import _resident_bytes_of
 from test_quant_iq import assert_product_close, random_rows, reference_weights
 
+from strata_async import cli
 from strata_async.io import open_gguf
 from strata_async.kernels import quant, quant_int, quant_planes
 from strata_async.kernels.quant_planes import IQ2_XS_PLANES
 from strata_async.kernels.reference import q8_k_activations_ref
+from strata_async.model_info import describe, format_bytes
 from strata_async.runtime import LoadOptions, load_runtime, weights
 from strata_async.runtime.weights import QTensor
 
@@ -163,13 +165,22 @@ def test_repacked_model_computes_what_iq2_xs_does(rng, tmp_path):
         np.testing.assert_array_equal(logits["always"], logits["never"])
 
 
+def _repacked_by_name(f, skip_blocks=()):
+    """IQ2_XS bytes a repack grows, from the tensor names: all but the token embeddings and the given blocks."""
+    return sum(t.data.nbytes for name, t in f.tensors.items() if t.ggml_type == IQ2_XS
+               and name != "token_embd.weight" and not any(name.startswith(f"blk.{b}.") for b in skip_blocks))
+
+
 def test_repack_policy(tmp_path, rng):
     src = assets.converted_gguf(assets.checkpoint_dir("qwen3next_kquant"), "f32")
     path = _iq2_xs_copy(rng, src, tmp_path / "iq2_xs.gguf")
     with open_gguf(path) as f:
+        assert f.tensors["token_embd.weight"].ggml_type == IQ2_XS  # the rule's row-table exception is exercised
         size = sum(t.data.nbytes for t in f.tensors.values())
-        iq2 = sum(t.data.nbytes for t in f.tensors.values() if t.ggml_type == IQ2_XS)
-        grown = size + iq2 * 32 / 74
+        iq2 = _repacked_by_name(f)
+        grown = size + iq2 // 74 * 106 - iq2
+        assert weights.repacked_bytes(f) == iq2
+        assert weights.held_bytes(f, True) == grown and weights.held_bytes(f, False) == size
         assert weights.repacks_iq2_xs(f, "never", ram=1 << 40) is False
         assert weights.repacks_iq2_xs(f, "auto", ram=int(grown / 0.8) + 1) is quant_planes.AVAILABLE
         assert weights.repacks_iq2_xs(f, "auto", ram=int(grown / 0.8) - 1) is False
@@ -177,6 +188,31 @@ def test_repack_policy(tmp_path, rng):
             weights.repacks_iq2_xs(f, "yes")
     with open_gguf(src) as f:  # nothing of IQ2_XS to repack
         assert weights.repacks_iq2_xs(f, "auto", ram=1 << 40) is False
+        assert describe(f).repack is None
+
+
+def test_repack_leaves_out_mtp_blocks_and_inspect_shows_the_growth(tmp_path, rng):
+    src = assets.converted_gguf(assets.checkpoint_dir("qwen3next_kquant"), "f32")
+    plain = _iq2_xs_copy(rng, src, tmp_path / "iq2_xs.gguf")
+    with open_gguf(plain) as f:
+        arch = f.metadata["general.architecture"]
+        blocks = int(f.metadata[f"{arch}.block_count"])
+    count_type = lambda md: md[f"{arch}.block_count"][0]  # noqa: E731
+    path = rewrite_gguf(plain, tmp_path / "mtp.gguf", metadata=lambda md: {
+        **md, f"{arch}.nextn_predict_layers": (count_type(md), 1)})  # the last block becomes an MTP block
+    with open_gguf(path) as f:
+        iq2 = _repacked_by_name(f, skip_blocks=[blocks - 1])
+        assert 0 < iq2 < _repacked_by_name(f)
+        assert weights.repacked_bytes(f) == iq2
+        size = sum(t.data.nbytes for t in f.tensors.values())
+        info = describe(f)
+        auto = weights.repacks_iq2_xs(f, "auto")
+    r = info.repack
+    assert (r.iq2_xs_bytes, r.held_bytes, r.file_tensor_bytes) == (iq2, size + iq2 * 32 // 74, size)
+    assert r.auto is auto and r.ram_bytes == weights.physical_memory()
+    line = next(x for x in cli._info_text(info).splitlines() if x.strip().startswith("repack"))
+    assert format_bytes(r.held_bytes) in line and format_bytes(iq2 * 106 // 74) in line
+    assert ("does here" in line) is r.auto
 
 
 @needs_planes

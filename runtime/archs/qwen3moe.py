@@ -70,7 +70,7 @@ class Embeddings:
 
     @classmethod
     def load(cls, ws: WeightStore, c: ModelConfig) -> Embeddings:
-        tokens = ws.tensor("token_embd.weight", (c.vocab_size, c.hidden), repack=False)  # rows looked up
+        tokens = ws.tensor("token_embd.weight", (c.vocab_size, c.hidden))  # rows looked up: as they lie (ROW_TABLES)
         output = ws.tensor("output.weight", (c.vocab_size, c.hidden)) if ws.has("output.weight") else tokens
         return cls(tokens, output, ws.vector("output_norm.weight", c.hidden))
 

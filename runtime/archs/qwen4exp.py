@@ -160,7 +160,7 @@ class Model:
             if table is None:
                 raise WeightError(f"{ws.gguf.path}: the model has a PLE layer but no '{TABLE_TENSOR}' table")
             NGramTable.check(table, c.ple_row_dim, c.ngram.rows_needed)
-        self.tokens = ws.tensor("token_embd.weight", (c.vocab_size, d), repack=False)  # rows looked up
+        self.tokens = ws.tensor("token_embd.weight", (c.vocab_size, d))  # rows looked up: as they lie (ROW_TABLES)
         self.output = ws.tensor("output.weight", (c.vocab_size, d)) if ws.has("output.weight") else self.tokens
         self.final_hc = HyperConnection.load(ws, "output_hc", hc, d, rank, inject=False)
         self.layers: list[Layer] = []
