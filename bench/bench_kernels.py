@@ -22,6 +22,7 @@ import platform
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import numba
@@ -116,18 +117,18 @@ def loop_rate(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool, rep
     compiled calls of whole matrices and layers."""
     out = np.empty(w.shape[0], np.float32)
     if act_quant and quant.quant_dispatch.has_int_dot(ggml_type):
-        xq, xd, xs16 = q8_activations(x, quant._format(ggml_type).act_block)
-        args = (_int_loop, ggml_type, w, xq.view(np.uint8), xd, xs16, out, 20)
+        xq, xd, xs16 = q8_activations(x, quant._format(ggml_type).act_block)  # int8 codes, as matvec_int has them
+        run = partial(_int_loop, ggml_type, w, xq, xd, xs16, out, 20)
     else:
         xa = quant.quantize_activations(x, ggml_type) if act_quant else x
         xsum32 = np.empty(max(1, xa.shape[0] // 32), np.float32)
         block_sums32(xa, xsum32)
-        args = (_float_loop, ggml_type, w, xa, xsum32, np.empty(xa.shape[0], np.float32), out, 20)
-    args[0](*args[1:])
+        run = partial(_float_loop, ggml_type, w, xa, xsum32, np.empty(xa.shape[0], np.float32), out, 20)
+    run()
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        args[0](*args[1:])
+        run()
         times.append((time.perf_counter() - t) / 20)
     return float(np.median(times))
 

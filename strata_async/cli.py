@@ -316,11 +316,11 @@ def _repack_text(r: RepackInfo) -> str:
              f"engine holds {format_bytes(r.held_bytes)} for the file's {format_bytes(r.file_tensor_bytes)}")
     if r.auto:
         return f"  repack        {grown} (--repack auto does here)"
-    if r.held_bytes > REPACK_RAM_SHARE * r.ram_bytes:
+    if not r.cpu_can:
+        why = "this CPU lacks AVX-512 VBMI"
+    else:
         why = (f"the model so grown is over {REPACK_RAM_SHARE:.0%} of this machine's {format_bytes(r.ram_bytes)} "
                f"of RAM")
-    else:
-        why = "this CPU lacks AVX-512 VBMI"
     return f"  repack        where repacked, {grown}; --repack auto keeps them as they lie here: {why}"
 
 

@@ -13,6 +13,7 @@ from .runtime.config import ModelConfig
 from .runtime.placement import EMBEDDINGS, MTP_LAYER, NGRAM_TABLE, NGRAM_TIERS, ROUTED_EXPERTS, PlacementTable
 from .runtime.placement import decoder_layers
 from .runtime.placement import placement_table, tensor_part
+from .kernels import quant_planes
 from .runtime.weights import held_bytes, physical_memory, repacked_bytes, repacks_iq2_xs
 
 __all__ = ["ModelInfo", "NGramTableInfo", "RepackInfo", "TypeCount", "describe", "format_bytes", "format_count"]
@@ -61,6 +62,7 @@ class RepackInfo:
     held_bytes: int  # the model's bytes as the CPU engine holds them repacked
     file_tensor_bytes: int  # ... and as they lie
     auto: bool  # whether --repack auto (the default) repacks on this machine
+    cpu_can: bool  # whether this CPU runs the repacked dots (AVX-512 VBMI); auto's other reason is the RAM
     ram_bytes: int  # this machine's RAM, which auto's rule reads
 
 
@@ -69,7 +71,7 @@ def _repack(gguf: GGUFFile) -> RepackInfo | None:
     if not iq2_xs:
         return None
     return RepackInfo(iq2_xs, held_bytes(gguf, True), held_bytes(gguf, False), repacks_iq2_xs(gguf, "auto"),
-                      physical_memory())
+                      quant_planes.AVAILABLE, physical_memory())
 
 
 def _ngram_table(gguf: GGUFFile, ple_io: str) -> NGramTableInfo | None:
