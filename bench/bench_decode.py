@@ -33,6 +33,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -55,21 +56,29 @@ def read_bandwidth(threads: int) -> dict[str, float]:
             "numpy_1thread_gbps": one["numpy"]}
 
 
+def token_tensors(f) -> Iterator[tuple[str, object, int, int]]:
+    """(name, tensor, read, of) for every tensor of the open GGUF f that a decoded token reads: read/of of it is
+    read (the routed experts: top-k of n_experts; 1/1 otherwise). The multi-token-prediction block is not run by
+    plain decoding and is left out; the token embedding is listed whole (a token reads one row of it)."""
+    md = f.metadata
+    arch = md["general.architecture"]
+    n_layers = int(md[f"{arch}.block_count"]) - int(md.get(f"{arch}.nextn_predict_layers", 0))
+    used, n_experts = int(md[f"{arch}.expert_used_count"]), int(md[f"{arch}.expert_count"])
+    for name, t in f.tensors.items():
+        if name.startswith("blk.") and int(name.split(".")[1]) >= n_layers:
+            continue
+        yield (name, t, used, n_experts) if "_exps." in name else (name, t, 1, 1)
+
+
 def bytes_per_token(path: str, iq2_xs_growth: float = 1.0) -> dict[str, int]:
     """Bytes a decoded token must read from the file, by kind of tensor; with iq2_xs_growth, those of IQ2_XS
     tensors times it (as the engine holds them repacked)."""
+    parts = {"routed_experts": 0, "output_head": 0, "embedding_row": 0, "other": 0}
     with open_gguf(path) as f:
-        md = f.metadata
-        arch = md["general.architecture"]
-        n_layers = int(md[f"{arch}.block_count"]) - int(md.get(f"{arch}.nextn_predict_layers", 0))
-        used, n_experts = int(md[f"{arch}.expert_used_count"]), int(md[f"{arch}.expert_count"])
-        parts = {"routed_experts": 0, "output_head": 0, "embedding_row": 0, "other": 0}
-        for name, t in f.tensors.items():
-            if name.startswith("blk.") and int(name.split(".")[1]) >= n_layers:
-                continue  # multi-token-prediction block: not run by plain decoding
+        for name, t, read, of in token_tensors(f):
             size = round(t.data.nbytes * iq2_xs_growth) if t.ggml_type == IQ2_XS else t.data.nbytes
             if "_exps." in name:
-                parts["routed_experts"] += size * used // n_experts
+                parts["routed_experts"] += size * read // of
             elif name == "token_embd.weight":
                 parts["embedding_row"] += t.row_bytes  # looked up as it lies
             elif name == "output.weight":

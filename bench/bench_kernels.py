@@ -49,6 +49,22 @@ def _type_id(name: str) -> int:
     return {"Q2_0": Q2_0, "IQ2_XS_PLANES": IQ2_XS_PLANES}.get(name) or int(getattr(Q, name))
 
 
+def kernel_matrix(name: str, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """A rows x k matrix of type `name` as the engine holds it (uint8 rows): real quantizer output where there is
+    one (synth_gguf._quantized_pool), else random valid blocks; float types from normal values; the engine's
+    load-time layouts (MADE_FROM) made from their file type's blocks."""
+    if name in ("F32", "F16", "BF16"):
+        values = rng.standard_normal((rows, k)).astype(np.float32)
+        if name == "BF16":
+            return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+        return values.astype(np.float16 if name == "F16" else np.float32).view(np.uint8)
+    source, make = MADE_FROM.get(name, (name, None))
+    s_t = _type_id(source)
+    pool = _quantized_pool(s_t, rng)
+    w = random_blocks(s_t, rows * k // quant.block_size(s_t)[0], rng, pool=pool).reshape(rows, -1)
+    return make(w) if make else w
+
+
 @numba.njit(parallel=True, nogil=True, fastmath=True)
 def _read_vectors(a, ahead):
     """Every byte of a float32 array read in 64-byte vector loads (simd.fdot_f32_64 of each 4 KiB page with
@@ -110,20 +126,26 @@ def _float_loop(t, w, x, xsum32, scratch, out, reps):
         float_dots(t, w, 0, w.shape[0], x, xsum32, scratch, out, 0)
 
 
+def loop_inputs(ggml_type: int, x: np.ndarray, act_quant: bool) -> tuple[bool, tuple]:
+    """(integer, arguments) of the row dots for x as the engine gives them to this type: int8 codes, their scales
+    and 16-sums (matvec_int's) where act_quant and the type has an integer dot, else float activations (rounded as
+    ggml rounds them where act_quant), their sums per 32 and a scratch row."""
+    if act_quant and quant.quant_dispatch.has_int_dot(ggml_type):
+        return True, q8_activations(x, quant._format(ggml_type).act_block)
+    xa = quant.quantize_activations(x, ggml_type) if act_quant else x
+    xsum32 = np.empty(max(1, xa.shape[0] // 32), np.float32)
+    block_sums32(xa, xsum32)
+    return False, (xa, xsum32, np.empty(xa.shape[0], np.float32))
+
+
 def loop_rate(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool, repeats: int) -> float:
     """Median seconds of one product in a compiled loop of 20 over the dispatch's row dots (one thread): the
     kernel alone. quant.matvec's Python call (argument checks, the output array, the activations' rounding) costs
     microseconds, as much as a 256 x 2048 product's dots for the faster types; a decoded token's products run in
     compiled calls of whole matrices and layers."""
     out = np.empty(w.shape[0], np.float32)
-    if act_quant and quant.quant_dispatch.has_int_dot(ggml_type):
-        xq, xd, xs16 = q8_activations(x, quant._format(ggml_type).act_block)  # int8 codes, as matvec_int has them
-        run = partial(_int_loop, ggml_type, w, xq, xd, xs16, out, 20)
-    else:
-        xa = quant.quantize_activations(x, ggml_type) if act_quant else x
-        xsum32 = np.empty(max(1, xa.shape[0] // 32), np.float32)
-        block_sums32(xa, xsum32)
-        run = partial(_float_loop, ggml_type, w, xa, xsum32, np.empty(xa.shape[0], np.float32), out, 20)
+    integer, args = loop_inputs(ggml_type, x, act_quant)
+    run = partial(_int_loop if integer else _float_loop, ggml_type, w, *args, out, 20)
     run()
     times = []
     for _ in range(repeats):
@@ -160,12 +182,7 @@ def main() -> int:
         t = _type_id(name)
         if name in MADE_FROM and not quant_planes.AVAILABLE:
             continue
-        source, make = MADE_FROM.get(name, (name, None))
-        s_t = _type_id(source)
-        block_elems = quant.block_size(s_t)[0]
-        pool = _quantized_pool(s_t, rng)  # real quantizer output where there is one (_quantized_pool), else random
-        w = random_blocks(s_t, a.rows * a.k // block_elems, rng, pool=pool).reshape(a.rows, -1)
-        w = make(w) if make else w
+        w = kernel_matrix(name, a.rows, a.k, rng)
         n = a.rows * a.k
         for act_quant in (False, True):
             s = loop_rate(w, t, x, act_quant, a.repeats)

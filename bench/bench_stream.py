@@ -32,11 +32,10 @@ from pathlib import Path
 
 import numba
 import numpy as np
-from bench_kernels import MADE_FROM, RESULTS, _type_id, ram_read_gbps
+from bench_kernels import MADE_FROM, RESULTS, _type_id, kernel_matrix, ram_read_gbps
 from strata_async.kernels import quant, quant_planes
 from strata_async.kernels.moe_token import MoETokenCall
 from strata_async.kernels.quant_float import F32
-from synth_gguf import _quantized_pool, random_blocks
 
 HIDDEN, FFN, EXPERTS, TOP_K, VOCAB = 2048, 512, 512, 10, 151936
 PROJECTION_ROWS = 12288  # a DeltaNet layer's q/k/v (8192) and gate (4096) rows
@@ -46,22 +45,18 @@ LAYERS = 8  # MoE blocks cycled (routers and shared experts: 8 x 5 MB), over one
 
 def matrix(name: str, rows: int, k: int, rng: np.random.Generator, n: int = 1) -> np.ndarray:
     """n x rows x k weights of a type (or an engine layout made from its source type), as [n, rows, row bytes]."""
-    source, make = MADE_FROM.get(name, (name, None))
-    t = _type_id(source)
-    pool = _quantized_pool(t, rng)  # real quantizer output where the type has one
-    w = random_blocks(t, n * rows * k // quant.block_size(t)[0], rng, pool=pool).reshape(n * rows, -1)
-    return (make(w) if make else w).reshape(n, rows, -1)
+    return kernel_matrix(name, n * rows, k, rng).reshape(n, rows, -1)
 
 
-def timed(call, repeats: int) -> float:
-    """Median seconds of call() over `repeats` calls, after one unmeasured."""
+def timed(call, repeats: int, pick=np.median) -> float:
+    """Seconds of call() over `repeats` calls, after one unmeasured: their median, or what `pick` makes of them."""
     call()
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
         call()
         times.append(time.perf_counter() - t)
-    return float(np.median(times))
+    return float(pick(times))
 
 
 def measure(what: str, nbytes: int, call, threads: int, repeats: int) -> dict:
