@@ -1,6 +1,6 @@
 """The best fraction of the memory roofline a decoded token can reach here: memory or the cores' compute, type by type.
 
-    python bench/bench_bound.py MODEL.gguf [--threads 2] [--gbps 36 60] [--repeats 7]
+    python bench/bench_bound.py MODEL.gguf [--threads 2] [--gbps 36 60] [--repeats 9] [--profile PROFILE.json]
 
 The roofline (bench_decode.py) prices a decoded token at its file bytes over the RAM's read rate. Whether a
 token can come near it depends on the cores too: each weight type's products take at least the longer of
@@ -11,9 +11,10 @@ token can come near it depends on the cores too: each weight type's products tak
   times on one thread).
 The products of one type run one after another, so the sum over types of the longer of the two is a floor on a
 token's time that no scheduling or prefetching beats, and the roofline over it the highest fraction of the
-roofline a token can reach. It is a generous floor: it counts no attention or DeltaNet state, no norms or
-activation rounding, no Python, and times the MoE blocks' short down rows (512 values) at the rate of rows of
-the matrices measured here (--k values).
+roofline a token can reach. It is a generous floor: of the work outside the products it counts only the
+gated-DeltaNet states' traffic (no attention, norms, activation rounding or Python; --profile adds a profiled
+token's measured time for those), and it times the MoE blocks' short down rows (512 values) at the rate of rows
+of the matrices measured here (--k values).
 
 The floor is given at the read rate measured now (the faster of numpy's and Numba's, best of 5 passes) and at
 each --gbps: a shared machine's decode runs meet very different moments (34-65 GB/s on the 2-core machine of
@@ -40,9 +41,10 @@ from bench_kernels import _type_id, kernel_matrix, loop_inputs, ram_read_gbps
 from bench_stream import timed
 from gguf import GGMLQuantizationType as Q
 from strata_async.io import open_gguf
-from strata_async.kernels import quant  # noqa: F401 - first: the format modules import each other through it
+from strata_async.kernels import quant  # first: the format modules import each other through it
 from strata_async.kernels.quant_dispatch import _FASTMATH, float_dots, int_dots
 from strata_async.kernels.quant_iq import IQ2_XS
+from strata_async.runtime.archs import qwen3next
 from strata_async.runtime.weights import IQ2_XS_GROWTH, ROW_TABLES, repacks_iq2_xs
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -69,10 +71,11 @@ def cached_ns_per_weight(name: str, threads: int, k: int, act_quant: bool, repea
     """ns a weight of type `name` with `threads` threads each multiplying its own cached matrix by a vector of k
     values, the fastest of `repeats` runs of 20 products each (other jobs on a shared machine only ever slow a run,
     and a floor must not be set by them): the rate of the whole machine, not of one core."""
-    rows = max(16, min(256, _MATRIX_BYTES // kernel_matrix(name, 1, k, rng).nbytes // 16 * 16))
+    t = _type_id(name)
+    block_elems, block_bytes = quant.block_size(t)
+    rows = max(16, min(256, _MATRIX_BYTES // (k // block_elems * block_bytes) // 16 * 16))
     ws = np.stack([kernel_matrix(name, rows, k, rng) for _ in range(threads)])
     outs = np.empty((threads, rows), np.float32)
-    t = _type_id(name)
     integer, args = loop_inputs(t, rng.standard_normal(k).astype(np.float32), act_quant)
     if integer:
         def run():
@@ -101,27 +104,21 @@ def token_reads(path: str) -> tuple[dict[str, dict[str, float]], bool]:
             r["file_bytes"] += t.data.nbytes * read / of
             r["held_bytes"] += t.data.nbytes * read / of * (IQ2_XS_GROWTH if kind == "IQ2_XS_PLANES" else 1)
             r["weights"] += int(np.prod(t.shape)) * read / of
-        state = recurrent_state_bytes(f.metadata)
+        state = recurrent_state_bytes(f)
     if state:
         reads[STATE] = {"file_bytes": 0, "held_bytes": 2 * state, "weights": 0}  # read, then written
     return dict(reads), repacked
 
 
-def recurrent_state_bytes(md) -> int:
-    """Bytes of the gated-DeltaNet recurrent states (float32 [v heads, k dim, v dim] a layer) of the layers a token
-    runs (qwen3next metadata; 0 for files without them): a token reads and rewrites them all, memory traffic the
-    file-byte roofline does not count (the cache cannot hold them while the weights stream through it)."""
-    arch = md["general.architecture"]
-    if f"{arch}.ssm.inner_size" not in md:
+def recurrent_state_bytes(f) -> int:
+    """Bytes of the gated-DeltaNet recurrent states (runtime.state.DeltaNetState: float32 [v heads, k dim, v dim]
+    a layer) of the layers a token runs, from the open GGUF f's qwen3next config (0 for other architectures): a
+    token reads and rewrites them all, memory traffic the file-byte roofline does not count (the cache cannot hold
+    them while the weights stream through it)."""
+    if f.metadata["general.architecture"] != qwen3next.ARCH:
         return 0
-    n_layers = int(md[f"{arch}.block_count"]) - int(md.get(f"{arch}.nextn_predict_layers", 0))
-    recurrent = md.get(f"{arch}.attention.recurrent_layers")
-    if recurrent is not None:
-        n_recurrent = int(np.count_nonzero(np.asarray(recurrent)[:n_layers]))
-    else:
-        interval = int(md.get(f"{arch}.full_attention_interval", 4))
-        n_recurrent = n_layers - n_layers // interval
-    return n_recurrent * int(md[f"{arch}.ssm.state_size"]) * int(md[f"{arch}.ssm.inner_size"]) * 4
+    c = qwen3next.Qwen3NextConfig.from_gguf(f)
+    return sum(c.recurrent) * c.deltanet.n_v_heads * c.deltanet.k_dim * c.deltanet.v_dim * 4
 
 
 def floor(reads: dict[str, dict[str, float]], ns: dict[str, float], gbps: float) -> dict:
@@ -196,8 +193,8 @@ def main() -> int:
     floors = [{**floor(reads, ns[act], gbps), "activations": act, "now": gbps == now}
               for gbps in [now, *a.gbps] for act in ("float32", "int8")]
     extra_ms = measured_extra_ms(a.profile) if a.profile else None
-    for f in floors:
-        if extra_ms is not None:
+    if extra_ms is not None:
+        for f in floors:
             state = f["types"].get(STATE, {"memory_ms": 0.0})["memory_ms"]
             f["ceiling_with_measured"] = f["roofline_ms"] / (f["floor_ms"] - state + extra_ms)
     result = {"model": a.model, "threads": a.threads, "k": a.k, "repeats": a.repeats,
