@@ -33,12 +33,15 @@ from .task_queue import claimed_runs, task_counter
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def _add_experts(y, out):
-    """out[r] += sum over j of y[j, r], in expert order (on the calling thread: ~10 us for 10 x 2048)."""
+    """out[r] += sum over j of y[j, r], in expert order (on the calling thread). The sum runs expert by expert
+    along whole rows of y into a zeroed row, vector adds with each r's order unchanged: with the experts' loop
+    inside the loop over r it strided through y (10 x 2048 from the cache: 9.5 -> 2.4 us, the same bits)."""
+    acc = np.zeros(out.shape[0], np.float32)
+    for j in range(y.shape[0]):
+        for r in range(out.shape[0]):
+            acc[r] += y[j, r]
     for r in range(out.shape[0]):
-        acc = np.float32(0.0)
-        for j in range(y.shape[0]):
-            acc += y[j, r]
-        out[r] += acc
+        out[r] += acc[r]
 
 
 @numba.njit(nogil=True, cache=True, fastmath=False)

@@ -63,7 +63,10 @@ def _moe_token(rt, router, it, gate_inp, normalize, tg, gate, tu, up, td, down, 
     workers = worker_count(workers)
     xsum32 = _sums32(x)
     xq, xd, xs = _q8(x, blocks[0], quantized)
-    sxq, sxd, sxs = _q8(x, blocks[2], quantized and sffn > 0)
+    if blocks[2] == blocks[0]:  # the shared expert's gate/up take the routed ones' int8 blocks (no second pass)
+        sxq, sxd, sxs = xq, xd, xs
+    else:
+        sxq, sxd, sxs = _q8(x, blocks[2], quantized and sffn > 0)
     scale = np.ones(1, np.float32)
     if sffn > 0 and gate_inp.shape[0] == 1:
         dot = np.empty(1, np.float32)

@@ -130,17 +130,27 @@ ROW_TASK = 16
 
 
 @numba.njit(inline="always", nogil=True)
-def prefetch_row(w, r):
-    """Request a row ahead of row r of w (uint8 [rows, row bytes]), if there is one: the row L1_PREFETCH_BYTES on
-    into L1 on Intel cores, the row PREFETCH_BYTES on into L2 elsewhere where a row fits a page."""
+def rows_ahead(w):
+    """How many rows ahead prefetch_row requests in w (uint8 [rows, row bytes]): the row L1_PREFETCH_BYTES on
+    on Intel cores, the row PREFETCH_BYTES on elsewhere, or 0 (none) where a row is longer than a page there.
+    Worked out once a call, before the row loop: written inside it, the division stayed there, one a row (planes
+    rows of 512 values from the cache, one thread: 1.03x as fast out of the loop, 1.01x for rows of 2048)."""
     if ROWS_INTO_L1:
-        ahead = r + max(1, L1_PREFETCH_BYTES // w.shape[1])
-        if ahead < w.shape[0]:
-            prefetch(w[ahead], 0, w.shape[1])
-    elif w.shape[1] <= PREFETCH_MAX_ROW_BYTES:
-        ahead = r + max(1, PREFETCH_BYTES // w.shape[1])
-        if ahead < w.shape[0]:
-            prefetch_l2(w[ahead], 0, w.shape[1])
+        return max(1, L1_PREFETCH_BYTES // w.shape[1])
+    if w.shape[1] <= PREFETCH_MAX_ROW_BYTES:
+        return max(1, PREFETCH_BYTES // w.shape[1])
+    return 0
+
+
+@numba.njit(inline="always", nogil=True)
+def prefetch_row(w, r, ahead):
+    """Request row r + ahead of w (ahead from rows_ahead; 0: none) if there is one: into L1 on Intel cores, into
+    L2 elsewhere."""
+    if ahead > 0 and r + ahead < w.shape[0]:
+        if ROWS_INTO_L1:
+            prefetch(w[r + ahead], 0, w.shape[1])
+        else:
+            prefetch_l2(w[r + ahead], 0, w.shape[1])
 
 
 @numba.njit(nogil=True, inline="always", fastmath=_FASTMATH)
@@ -175,8 +185,9 @@ def _float_rows(dot):
     block has several such calls), and Numba's passes over those kernels grew to minutes."""
     @numba.njit(nogil=True, fastmath=_FASTMATH)
     def rows(w, r0, r1, x, xsum32, out, o0):
+        ahead = rows_ahead(w)
         for r in range(r0, r1):
-            prefetch_row(w, r)
+            prefetch_row(w, r, ahead)
             out[o0 + r - r0] = dot(w[r], x, xsum32)
     return rows
 
@@ -210,8 +221,9 @@ _rows_dot_q8_0 = _float_rows(dot_q8_0)
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def _decoded_rows(t, w, r0, r1, x, scratch, out, o0):
+    ahead = rows_ahead(w)
     for r in range(r0, r1):
-        prefetch_row(w, r)
+        prefetch_row(w, r, ahead)
         dequant_row(t, w[r], scratch)
         out[o0 + r - r0] = _dot(scratch, x)
 
@@ -339,8 +351,9 @@ def _int_rows(dot):
     """rows(w, r0, r1, xq, xd, xs16, out, o0) for an integer row dot, as _float_rows."""
     @numba.njit(nogil=True, fastmath=_FASTMATH)
     def rows(w, r0, r1, xq, xd, xs16, out, o0):
+        ahead = rows_ahead(w)
         for r in range(r0, r1):
-            prefetch_row(w, r)
+            prefetch_row(w, r, ahead)
             out[o0 + r - r0] = dot(w[r], xq, xd, xs16)
     return rows
 
