@@ -115,5 +115,7 @@ class LoadOptions:
     prefault: bool = True  # fault every weight page the model computes from into the mapping at load
     progress: Callable[[int, int], None] | None = None  # progress(done, total bytes) while repacking, prefaulting
     repack: str = "auto"  # IQ2_XS matrices as IQ2_XS_PLANES: "auto", "always" or "never" (runtime/weights.py)
+    # the other matrices copied at load onto transparent huge pages: "auto", "always" or "never" (runtime/weights.py)
+    huge_pages: str = "auto"
     # keep the working buffers that steps free mapped for the next step (glibc's malloc: runtime/host_memory.py)
     keep_freed_buffers: bool = True

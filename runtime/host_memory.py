@@ -1,4 +1,4 @@
-"""The host allocator's policy for the engine's working buffers: freed buffers kept for the next step.
+"""The host allocator's policies: freed working buffers kept for the next step; weights on huge pages.
 
 A prompt chunk's forward pass allocates buffers of tens of megabytes and frees them at the end of each step: per
 layer, the grouped experts' outputs [pairs, hidden] (512 tokens x top-10 x 2048 floats: 42 MB), their SwiGLU
@@ -18,7 +18,11 @@ back to the system between steps; its peak is what the steps needed anyway.
 from __future__ import annotations
 
 import ctypes
+import math
+import mmap
 import platform
+
+import numpy as np
 
 # mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD = -1
@@ -46,3 +50,35 @@ def keep_freed_buffers() -> bool:
     # the mmap threshold first: setting it also stops glibc's dynamic adjustment of both thresholds
     _applied = bool(mallopt(M_MMAP_THRESHOLD, KEEP_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP_BYTES))
     return _applied
+
+
+# Transparent huge pages: a weight matrix read whole every token spans thousands of 4 KiB pages, each a TLB miss
+# of its own, where 2 MiB pages take one per 512 of them. The weights the engine copies at load (repacked planes,
+# runtime/weights.py's huge-page copies) are placed so: start aligned to HUGE_PAGE, the range asked to be backed by
+# huge pages (madvise MADV_HUGEPAGE, which the kernel honours where transparent huge pages are "madvise" or
+# "always"). A file's own mapping gets huge pages only as its page cache happens to hold them (large folios,
+# written recently: a fresh synthetic file was 95% PMD-mapped, one read back hours later 6%).
+HUGE_PAGE = 2 << 20
+
+
+def huge_pages_advisable() -> bool:
+    """Whether this system can be asked for transparent huge pages (Linux with MADV_HUGEPAGE)."""
+    return platform.system() == "Linux" and hasattr(mmap, "MADV_HUGEPAGE")
+
+
+def huge_page_array(shape: tuple[int, ...]) -> np.ndarray:
+    """A new uint8 array of this shape (contents unset, zero pages until written) in anonymous memory whose first
+    byte is HUGE_PAGE-aligned and whose range is advised to be backed by transparent huge pages where the system
+    has them (huge_pages_advisable); elsewhere a plain anonymous mapping. The array keeps its mapping alive, and
+    the mapping goes back to the system when the last view of it is freed."""
+    n = math.prod(shape)
+    size = n + HUGE_PAGE  # room to move the start to a huge page boundary; the slack is never touched
+    area = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    flat = np.frombuffer(area, np.uint8)
+    start = -flat.ctypes.data % HUGE_PAGE
+    if huge_pages_advisable():
+        try:
+            area.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel built without transparent huge pages: 4 KiB pages, as np.empty gives
+            pass
+    return flat[start:start + n].reshape(shape)

@@ -122,7 +122,7 @@ def load_runtime(path: str | os.PathLike[str], *, threads: int | None = None, qu
         options = options or LoadOptions()
         if options.keep_freed_buffers:
             keep_freed_buffers()
-        store = WeightStore(gguf, options.repack)
+        store = WeightStore(gguf, options.repack, options.huge_pages, options.prefault)
         model = model_class(arch)(store, device, options)
         store.load_pages(options.prefault, options.progress)
         limit = model.config.context_length

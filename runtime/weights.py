@@ -6,11 +6,18 @@ expert e as a 2-D QTensor (a contiguous byte range of the file, again no copy). 
 weights, gates' biases, convolution kernels) are decoded to float32 once, at load, through ``WeightStore.vector``
 and ``WeightStore.decoded``.
 
-The one exception to "no copy": IQ2_XS matrices are repacked at load into IQ2_XS_PLANES (kernels/quant_planes.py),
-whose dots run 1.5-1.75x as fast on CPUs with AVX-512 VBMI, at 1.43x the bytes. ``repack`` decides: "auto" where the
-CPU has the instructions and the model, so grown, takes at most REPACK_RAM_SHARE of the machine's memory;
-"always" where the CPU has them; "never". The repacked bytes are anonymous memory; the file's pages they came
-from are read once and left to the page cache.
+Two exceptions to "no copy", both made at load (load_pages) into anonymous memory on transparent huge pages
+(host_memory.huge_page_array), the file's pages they came from read once and left to the page cache:
+- IQ2_XS matrices are repacked into IQ2_XS_PLANES (kernels/quant_planes.py), whose dots run 1.5-1.75x as fast on
+  CPUs with AVX-512 VBMI, at 1.43x the bytes. ``repack`` decides: "auto" where the CPU has the instructions and the
+  model, so grown, takes at most REPACK_RAM_SHARE of the machine's memory; "always" where the CPU has them; "never".
+- every other matrix of at least a huge page is copied as it is (``huge_pages``: "auto" where the system can be
+  asked for huge pages, the weights are faulted in at load and the model takes at most REPACK_RAM_SHARE of the
+  memory; "always"; "never"). A file's own mapping holds 4 KiB pages unless its page cache happens to hold
+  large folios mapped whole, and a token streams hundreds of megabytes through the TLB: decoded tokens of the
+  synthetic 80B-shaped files, copied against mapped in one process (bench/bench_huge_pages.py, 30 alternating
+  rounds), IQ2_XS 1.023-1.055x, Q4_K 1.047-1.057x.
+Row tables (ROW_TABLES) stay mapped: a token reads a few of their rows.
 """
 
 from __future__ import annotations
@@ -27,9 +34,12 @@ from strata_async.kernels import quant, quant_planes
 from strata_async.kernels.quant_iq import IQ2_XS
 from strata_async.kernels.quant_planes import IQ2_XS_PLANES
 
+from .host_memory import HUGE_PAGE, huge_page_array, huge_pages_advisable
 from .placement import MTP_LAYER, decoder_layers, tensor_part
 
 REPACK_MODES = ("auto", "always", "never")
+HUGE_PAGE_MODES = ("auto", "always", "never")
+_COPY_BYTES = 64 << 20  # file bytes per slice of a copy made at load (one progress report each)
 # "auto" repacks while the model, its IQ2_XS tensors grown by IQ2_XS_GROWTH, takes at most this share of the RAM
 REPACK_RAM_SHARE = 0.8
 _IQ2_XS_BLOCK_BYTES = quant.block_size(IQ2_XS)[1]
@@ -118,27 +128,48 @@ def repacks_iq2_xs(gguf: GGUFFile, mode: str, ram: int | None = None) -> bool:
         physical_memory() if ram is None else ram)
 
 
+def copies_to_huge_pages(gguf: GGUFFile, mode: str, repack: bool, prefault: bool = True,
+                         ram: int | None = None) -> bool:
+    """Whether the matrices that are not repacked are copied at load onto huge pages under mode `mode`
+    (HUGE_PAGE_MODES), given whether IQ2_XS is repacked, whether the weights are faulted in at load (a copy reads
+    them all; lazily mapped weights stay mapped) and the machine's RAM (default: physical_memory())."""
+    if mode not in HUGE_PAGE_MODES:
+        raise ValueError(f"huge_pages must be one of {', '.join(HUGE_PAGE_MODES)}, got {mode!r}")
+    if mode == "never":
+        return False
+    if mode == "always":
+        if not prefault:
+            raise ValueError("huge_pages='always' copies every weight at load, which lazily mapped weights "
+                             "(prefault=False, --lazy-weights) do not; use 'auto' or 'never'")
+        return True
+    return prefault and huge_pages_advisable() and held_bytes(gguf, repack) <= REPACK_RAM_SHARE * (
+        physical_memory() if ram is None else ram)
+
+
 class WeightStore:
     """Hands out a GGUF file's tensors, checked against the shapes the model expects."""
 
-    def __init__(self, gguf: GGUFFile, repack: str = "auto"):
+    def __init__(self, gguf: GGUFFile, repack: str = "auto", huge_pages: str = "never", prefault: bool = True):
         self.gguf = gguf
         self._supported = set(quant.supported_types())
         self.handed_out: list[str] = []  # names of the tensors the model computes from, in order
         self.repack = repacks_iq2_xs(gguf, repack)
-        self._pending: list[tuple[TensorInfo, np.ndarray]] = []  # IQ2_XS tensors and their planes, to fill
-        self._planes: dict[str, QTensor] = {}
+        self.huge_pages = copies_to_huge_pages(gguf, huge_pages, self.repack, prefault)
+        # tensors whose bytes load_pages fills: (file tensor, its planes or copy, whether repacked)
+        self._pending: list[tuple[TensorInfo, np.ndarray, bool]] = []
+        self._held: dict[str, QTensor] = {}  # the store's own copies by name (a tied head asks twice)
 
     def has(self, name: str) -> bool:
         return name in self.gguf.tensors
 
-    def tensor(self, name: str, shape: Sequence[int], repack: bool | None = None) -> QTensor:
+    def tensor(self, name: str, shape: Sequence[int], copy: bool | None = None) -> QTensor:
         """The tensor ``name`` as rows of ggml blocks; ``shape`` in numpy order (last = row length).
 
         A 2-D expected shape also accepts a stored [1, n] / [n] vector of the same size, as converters differ
-        in how they write one-row matrices. An IQ2_XS tensor comes as IQ2_XS_PLANES where the store repacks
-        and `repack` (default: unless it is one of ROW_TABLES, read a row at a time); its bytes are filled by
-        load_pages, which must run before the model computes.
+        in how they write one-row matrices. Where `copy` (default: unless it is one of ROW_TABLES, read a row at
+        a time), an IQ2_XS tensor comes as IQ2_XS_PLANES where the store repacks, and a tensor of at least a huge
+        page as a copy on huge pages where the store makes them; their bytes are filled by load_pages, which must
+        run before the model computes.
         """
         info = self.gguf.tensors.get(name)
         if info is None:
@@ -157,39 +188,49 @@ class WeightStore:
         # A plain ndarray view of the mapping: np.memmap's Python-level slicing hooks cost ~2 us per use.
         data = np.asarray(info.data).reshape(*shape[:-1], info.row_bytes)
         self.handed_out.append(name)
-        if repack is None:
-            repack = name not in ROW_TABLES
-        if repack and self.repack and info.ggml_type == IQ2_XS:
-            if name not in self._planes:  # asked for again (a tied head): the same planes
-                planes = np.empty((*shape[:-1], info.row_bytes // _IQ2_XS_BLOCK_BYTES * quant_planes.PLANES_BYTES),
-                                  np.uint8)
-                self._pending.append((info, planes))
-                self._planes[name] = QTensor(name, IQ2_XS_PLANES, shape, planes)
-            return self._planes[name]
-        return QTensor(name, int(info.ggml_type), shape, data)
+        if copy is None:
+            copy = name not in ROW_TABLES
+        repacked = copy and self.repack and info.ggml_type == IQ2_XS
+        if not (repacked or copy and self.huge_pages and data.nbytes >= HUGE_PAGE):
+            return QTensor(name, int(info.ggml_type), shape, data)
+        if name not in self._held:  # asked for again (a tied head): the same copy
+            if repacked:
+                held = huge_page_array((*shape[:-1], info.row_bytes // _IQ2_XS_BLOCK_BYTES * quant_planes.PLANES_BYTES))
+                self._held[name] = QTensor(name, IQ2_XS_PLANES, shape, held)
+            else:
+                held = huge_page_array(data.shape)
+                self._held[name] = QTensor(name, int(info.ggml_type), shape, held)
+            self._pending.append((info, held, repacked))
+        return self._held[name]
 
     def decoded(self, name: str, shape: Sequence[int]) -> np.ndarray:
         """A small tensor (a convolution kernel) decoded once to float32, at load."""
-        return self.tensor(name, shape, repack=False).dequantize()
+        return self.tensor(name, shape, copy=False).dequantize()
 
     def vector(self, name: str, length: int) -> np.ndarray:
         """A 1-D tensor (norm weight, bias, per-head constant) decoded once to float32."""
         return self.decoded(name, (1, length)).reshape(length)
 
     def load_pages(self, fault_in: bool, progress: Callable[[int, int], None] | None = None) -> None:
-        """Fill the repacked tensors' planes from the file, then (fault_in) map every other page the model computes
-        from into memory (io.prefault); progress(done, total bytes) over both."""
-        repacked = {info.name for info, _ in self._pending}
-        faults = [self.gguf.tensors[n] for n in dict.fromkeys(self.handed_out) if n not in repacked] if fault_in else []
-        total = sum(info.data.nbytes for info, _ in self._pending) + sum(t.data.nbytes for t in faults)
+        """Fill the repacked tensors' planes and the huge-page copies from the file, then (fault_in) map every other
+        page the model computes from into memory (io.prefault); progress(done, total bytes) over both."""
+        held = {info.name for info, _, _ in self._pending}
+        faults = [self.gguf.tensors[n] for n in dict.fromkeys(self.handed_out) if n not in held] if fault_in else []
+        total = sum(info.data.nbytes for info, _, _ in self._pending) + sum(t.data.nbytes for t in faults)
         done = 0
-        for info, planes in self._pending:
-            quant_planes.repack_iq2_xs(np.asarray(info.data).reshape(-1, info.row_bytes),
-                                       planes.reshape(-1, planes.shape[-1]))
+        for info, dst, repacked in self._pending:
+            src = np.asarray(info.data).reshape(-1, info.row_bytes)
+            rows = dst.reshape(-1, dst.shape[-1])
+            step = max(1, _COPY_BYTES // info.row_bytes)  # a copy in slices, for the progress of the big ones
+            for r in range(0, rows.shape[0], step):
+                if repacked:
+                    quant_planes.repack_iq2_xs(src[r:r + step], rows[r:r + step])
+                else:
+                    rows[r:r + step] = src[r:r + step]
+                done += src[r:r + step].nbytes
+                if progress is not None:
+                    progress(done, total)
             release(info)  # its file pages are not read again
-            done += info.data.nbytes
-            if progress is not None:
-                progress(done, total)
         self._pending = []
         if faults:
             prefault(faults, None if progress is None else lambda d, _: progress(done + d, total))

@@ -95,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
 # strata_async.io.ple_rows.MODES, spelled out so --help does not import the I/O layer (tests check they agree)
 PLE_IO_MODES = ("direct", "mmap", "ram")
 REPACK_MODES = ("auto", "always", "never")  # runtime.weights.REPACK_MODES, without importing the runtime
+HUGE_PAGE_MODES = ("auto", "always", "never")  # runtime.weights.HUGE_PAGE_MODES, likewise
 
 
 def add_load_options(parser: argparse.ArgumentParser) -> None:
@@ -113,6 +114,12 @@ def add_load_options(parser: argparse.ArgumentParser) -> None:
                              "at 1.43x their memory: 'auto' where the CPU has AVX-512 VBMI and the model, so "
                              "grown, fits in 80%% of the RAM; 'always' where the CPU has it; 'never' "
                              "(default: auto)")
+    parser.add_argument("--huge-pages", choices=HUGE_PAGE_MODES, default="auto",
+                        help="the matrices that are not repacked copied at load into memory on 2 MiB pages, "
+                             "where reading them takes fewer TLB misses than the file's 4 KiB pages (decode "
+                             "1.02-1.06x, see bench/README.md): 'auto' unless --lazy-weights, where the system has "
+                             "transparent huge pages and the model fits in 80%% of the RAM; 'always'; 'never' "
+                             "(compute from the file's mapping) (default: auto)")
     parser.add_argument("--ple-io", choices=PLE_IO_MODES, default="direct",
                         help="n-gram PLE table (qwen4exp): 'direct' reads its rows from the drive with O_DIRECT, "
                              "so the table never fills RAM or the page cache (buffered where the filesystem refuses "
@@ -128,7 +135,7 @@ def load_options(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--ple-cache-rows must be at least 1, got {args.ple_cache_rows}")
     return {"ple_io": args.ple_io, "ple_cache_rows": args.ple_cache_rows, "prefault": not args.lazy_weights,
             "quantized_activations": args.int8_activations, "load_progress": _mapping_progress(),
-            "repack": args.repack}
+            "repack": args.repack, "huge_pages": args.huge_pages}
 
 
 def _mapping_progress() -> Callable[[int, int], None]:

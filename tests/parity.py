@@ -76,6 +76,18 @@ def greedy(rt, prompt: np.ndarray, n: int) -> list[int]:
     return out
 
 
+def prompt_then_tokens(rt, prompt: np.ndarray, tokens=(5, 17, 3)) -> np.ndarray:
+    """Logits of a prompt (every position) and then of each given token decoded after it, stacked; closes rt."""
+    try:
+        state = rt.new_state()
+        out = [rt.forward(state, prompt)]
+        for token in tokens:
+            out.append(rt.forward(state, np.array([token])))
+        return np.concatenate(out)
+    finally:
+        rt.close()
+
+
 # Tolerances of record (relative to the largest |logit| at each position).
 # F32 files against transformers in float64: transformers runs its gated delta rule in float32 even then, and the
 # float32 roundings of two implementations differ after 8 random layers. Over 28 fresh prompts (14 on the kernels

@@ -509,14 +509,15 @@ def test_load_prefaults_the_weights_unless_lazy(qwen3moe_f32_gguf):
     from strata_async.runtime import LoadOptions, load_runtime
 
     path = Path(qwen3moe_f32_gguf)
-    lazy = load_runtime(path, options=LoadOptions(prefault=False))
+    lazy = load_runtime(path, options=LoadOptions(prefault=False))  # never copies onto huge pages
     lazy_resident = _resident_bytes_of(path)
     weights = sum(info.data.nbytes for info in lazy.gguf.tensors.values())
     lazy.close()
     del lazy
     gc.collect()
     seen = []
-    eager = load_runtime(path, options=LoadOptions(progress=lambda done, total: seen.append((done, total))))
+    eager = load_runtime(path, options=LoadOptions(progress=lambda done, total: seen.append((done, total)),
+                                                   huge_pages="never"))  # the mapping, not copies, holds them
     try:
         assert _resident_bytes_of(path) >= 0.95 * weights
         assert lazy_resident < 0.5 * weights

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from gguf import quants as gguf_quants
 import assets
-from parity import PROMPT_ID_LIMIT, rewrite_gguf
+from parity import PROMPT_ID_LIMIT, prompt_then_tokens, rewrite_gguf
 from test_gguf_io import _resident_bytes_of
 from test_quant_iq import assert_product_close, random_rows, reference_weights
 
@@ -155,12 +155,7 @@ def test_repacked_model_computes_what_iq2_xs_does(rng, tmp_path):
             rt = load_runtime(path, quantized_activations=int8, options=LoadOptions(repack=mode))
             types = _types_of(rt.model)
             assert (IQ2_XS_PLANES in types) == (mode == "always") and IQ2_XS in types  # embeddings stay IQ2_XS
-            state = rt.new_state()
-            out = [rt.forward(state, prompt)]
-            for token in (5, 17, 3):
-                out.append(rt.forward(state, np.array([token])))
-            logits[mode] = np.concatenate(out)
-            rt.close()
+            logits[mode] = prompt_then_tokens(rt, prompt)
         assert np.isfinite(logits["never"]).all() and np.ptp(logits["never"]) > 0
         np.testing.assert_array_equal(logits["always"], logits["never"])
 
