@@ -61,9 +61,19 @@ def keep_freed_buffers() -> bool:
 HUGE_PAGE = 2 << 20
 
 
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"  # e.g. "always [madvise] never": the one in brackets
+
+
 def huge_pages_advisable() -> bool:
-    """Whether this system can be asked for transparent huge pages (Linux with MADV_HUGEPAGE)."""
-    return platform.system() == "Linux" and hasattr(mmap, "MADV_HUGEPAGE")
+    """Whether this system gives transparent huge pages where asked: Linux with MADV_HUGEPAGE, its setting "always"
+    or "madvise" (not "never"; a kernel without the setting has no transparent huge pages)."""
+    if platform.system() != "Linux" or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    try:
+        with open(THP_SETTING) as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
 
 
 def huge_page_array(shape: tuple[int, ...]) -> np.ndarray:

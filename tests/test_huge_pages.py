@@ -1,11 +1,14 @@
 """Weights copied at load into memory on transparent huge pages (runtime/host_memory.py, runtime/weights.py)."""
 
+import mmap
+import platform
+
 import numpy as np
 import pytest
 from parity import prompt_then_tokens
 
 from strata_async.io import open_gguf
-from strata_async.runtime import LoadOptions, load_runtime, weights
+from strata_async.runtime import LoadOptions, host_memory, load_runtime, weights
 from strata_async.runtime.host_memory import HUGE_PAGE, huge_page_array, huge_pages_advisable
 from strata_async.runtime.weights import ROW_TABLES, QTensor
 
@@ -37,6 +40,18 @@ def test_huge_page_array_is_aligned_writable_and_advised():
         assert "hg" in _vm_flags(a.ctypes.data)  # MADV_HUGEPAGE on the whole mapping
     empty = huge_page_array((0, 16))
     assert empty.shape == (0, 16)
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or platform.system() != "Linux", reason="Linux's madvise")
+def test_huge_pages_are_advisable_unless_the_system_says_never(tmp_path, monkeypatch):
+    setting = tmp_path / "enabled"
+    monkeypatch.setattr(host_memory, "THP_SETTING", str(setting))
+    for text, advisable in (("always [madvise] never", True), ("[always] madvise never", True),
+                            ("always madvise [never]", False)):
+        setting.write_text(text + "\n")
+        assert host_memory.huge_pages_advisable() is advisable, text
+    setting.unlink()  # a kernel without transparent huge pages has no such file
+    assert host_memory.huge_pages_advisable() is False
 
 
 def _tensors(obj, seen=None) -> list[QTensor]:
