@@ -57,7 +57,7 @@ def keep_freed_buffers() -> bool:
 # runtime/weights.py's huge-page copies) are placed so: start aligned to HUGE_PAGE, the range asked to be backed by
 # huge pages (madvise MADV_HUGEPAGE, which the kernel honours where transparent huge pages are "madvise" or
 # "always"). A file's own mapping gets huge pages only as its page cache happens to hold them (large folios,
-# written recently: a fresh synthetic file was 95% PMD-mapped, one read back hours later 6%).
+# written recently: a fresh synthetic file was 95% PMD-mapped, one read back hours later 6-14%).
 HUGE_PAGE = 2 << 20
 
 
