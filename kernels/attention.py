@@ -11,6 +11,7 @@ whose partial softmax results are merged at the end.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numba
@@ -161,7 +162,10 @@ def attend(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, start_pos: i
     n_keys = start_pos + n
     items = hkv * math.ceil(n / q_block)
     if key_splits is None:
-        key_splits = min(math.ceil(numba.get_num_threads() / items), math.ceil(n_keys / _MIN_KEYS_PER_SPLIT))
+        # At most one range where the keys are few (decode's short contexts): no thread count to ask for, which
+        # costs ~50 us from Python with the caches cold after a token's weights streamed through them.
+        most = math.ceil(n_keys / _MIN_KEYS_PER_SPLIT)
+        key_splits = 1 if most <= 1 else min(math.ceil(numba.get_num_threads() / items), most)
     require_positive("key_splits", key_splits)
     span = math.ceil(math.ceil(n_keys / key_splits) / _KEY_BLOCK) * _KEY_BLOCK
     key_splits = math.ceil(n_keys / span)
@@ -212,6 +216,13 @@ def _rope_neox_parallel(x, positions, inv_freq, out):
         _rope_token(x[t], positions[t], inv_freq, out[t])
 
 
+@functools.lru_cache(maxsize=16)
+def _inv_freq(theta: float, rot_dim: int) -> np.ndarray:
+    """theta ** (-2i / rot_dim) for i < rot_dim / 2 in float64, made once per model, not per call (a decoded
+    token's attention layer spent ~40 us remaking it with the caches cold). Only the kernels read it."""
+    return theta ** (-np.arange(rot_dim // 2, dtype=np.float64) * 2.0 / rot_dim)
+
+
 def rope(x: np.ndarray, positions: np.ndarray, theta: float, rot_dim: int, style: str = "neox") -> np.ndarray:
     """Rotary position embedding of x [n, h, d] float32 at integer positions [n].
 
@@ -227,7 +238,7 @@ def rope(x: np.ndarray, positions: np.ndarray, theta: float, rot_dim: int, style
         raise ValueError(f"positions must be an integer numpy array of shape [{n}]")
     if rot_dim % 2 or not 0 < rot_dim <= d:
         raise ValueError(f"rot_dim must be even and in 2..{d} (the head size), got {rot_dim}")
-    inv_freq = float(theta) ** (-np.arange(rot_dim // 2, dtype=np.float64) * 2.0 / rot_dim)
+    inv_freq = _inv_freq(float(theta), int(rot_dim))
     out = np.empty_like(x)
     by_size(x.size, _rope_neox, _rope_neox_parallel)(x, positions.astype(np.int64), inv_freq, out)
     return out

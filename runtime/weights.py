@@ -31,6 +31,7 @@ import numpy as np
 from strata_async.io import GGUFFile, TensorInfo, prefault, release
 from strata_async.io.ggml_types import type_name
 from strata_async.kernels import quant, quant_planes
+from strata_async.kernels.quant_dispatch import dequant_rows_serial
 from strata_async.kernels.quant_iq import IQ2_XS
 from strata_async.kernels.quant_planes import IQ2_XS_PLANES
 
@@ -80,8 +81,15 @@ class QTensor:
 
     def take_rows(self, rows: np.ndarray) -> np.ndarray:
         """Decode only the given rows to float32 [len(rows), row_len] (embedding lookup)."""
-        picked = self.data.reshape(-1, self.data.shape[-1])[np.asarray(rows, np.int64)]
-        return quant.dequantize(picked, self.ggml_type, (len(picked), self.row_len))
+        rows = np.asarray(rows, np.int64)
+        table = self.data.reshape(-1, self.data.shape[-1])
+        if rows.shape == (1,) and 0 <= rows[0] < table.shape[0]:
+            # A decoded token's row straight into the kernel: dequantize's gather, checks and dispatch had cost
+            # ~60 us a token with the caches cold (the rows' bytes are the type's by construction).
+            out = np.empty((1, self.row_len), np.float32)
+            dequant_rows_serial(self.ggml_type, table[rows[0]:rows[0] + 1], out)
+            return out
+        return quant.dequantize(table[rows], self.ggml_type, (len(rows), self.row_len))
 
     def dequantize(self) -> np.ndarray:
         """The whole tensor as float32 (small tensors and tests only)."""

@@ -131,3 +131,17 @@ def test_integer_dot_loops_match_float64(rng, ggml_type, loop):
         for r in range(3):
             got = getattr(quant_int, loop)(raw[r], xq, xd, xs16)
             assert_product_close(np.array([got]), w[r:r + 1], x64, MATVEC_TOL)
+
+
+@pytest.mark.parametrize("ggml_type", K_TYPES)
+def test_embedding_rows_match_gguf(rng, ggml_type):
+    """QTensor.take_rows, a decoded token's one row (its own path) and a prompt's rows, against gguf's decoding."""
+    from strata_async.runtime.weights import QTensor
+    raw = random_blocks(rng, ggml_type, 9, 2 * QK_K)
+    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(ggml_type)).reshape(9, 2 * QK_K)
+    table = QTensor("token_embd.weight", ggml_type, (9, 2 * QK_K), raw)
+    for row in (0, 4, 8):
+        np.testing.assert_array_equal(table.take_rows(np.array([row])), ref[[row]])
+    np.testing.assert_array_equal(table.take_rows(np.array([8, 0, 8, 3])), ref[[8, 0, 8, 3]])
+    with pytest.raises(IndexError):
+        table.take_rows(np.array([9]))
