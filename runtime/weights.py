@@ -202,8 +202,8 @@ class WeightStore:
         if not (repacked or copy and self.huge_pages and data.nbytes >= HUGE_PAGE):
             return QTensor(name, int(info.ggml_type), shape, data)
         if name not in self._held:  # asked for again (a tied head): the same copy
-            planes_row = info.row_bytes // _IQ2_XS_BLOCK_BYTES * quant_planes.PLANES_BYTES
-            held = huge_page_array((*shape[:-1], planes_row) if repacked else data.shape)
+            held = huge_page_array((*shape[:-1], info.row_bytes // _IQ2_XS_BLOCK_BYTES * quant_planes.PLANES_BYTES)
+                                   if repacked else data.shape)
             self._held[name] = QTensor(name, IQ2_XS_PLANES if repacked else int(info.ggml_type), shape, held)
             self._pending.append((info, held, repacked))
         return self._held[name]
@@ -219,8 +219,9 @@ class WeightStore:
     def load_pages(self, fault_in: bool, progress: Callable[[int, int], None] | None = None) -> None:
         """Fill the repacked tensors' planes and the huge-page copies from the file, then (fault_in) map every other
         page the model computes from into memory (io.prefault); progress(done, total bytes) over both."""
-        faults = [self.gguf.tensors[n] for n in dict.fromkeys(self.handed_out) if n not in self._held] if fault_in \
-            else []
+        faults = []
+        if fault_in:
+            faults = [self.gguf.tensors[n] for n in dict.fromkeys(self.handed_out) if n not in self._held]
         total = sum(info.data.nbytes for info, _, _ in self._pending) + sum(t.data.nbytes for t in faults)
         done = 0
         for info, dst, repacked in self._pending:
