@@ -11,7 +11,8 @@ Measures, all with the same thread count:
   embedding row; the multi-token-prediction block is not run by plain decoding and is not counted;
 - roofline: bandwidth / bytes per token, and the fraction of it the engine reaches; also against the bandwidth
   probed between the decode runs (their median), since on a shared machine the best probe comes from the
-  quietest moment and the decode runs may not;
+  quietest moment and the decode runs may not; and step by step, each decode step against a read of as many
+  bytes right after it (PairedRead; runs of their own), the median of the steps' fractions;
 - strata-async decode tokens/s (median over single-token steps after a short prompt) and prefill
   tokens/s on a --prompt-token prompt (median of --prefill-repeats), twice: with float32 activations (the
   reference numerics, the default) and with activations rounded to int8 blocks as ggml does
@@ -43,7 +44,7 @@ from strata_async.kernels.quant_iq import IQ2_XS
 from strata_async.runtime import LoadOptions, load_runtime
 from strata_async.runtime.weights import IQ2_XS_GROWTH, REPACK_MODES, repacks_iq2_xs
 
-from bench_kernels import ram_read_gbps
+from bench_kernels import _read_vectors, ram_read_gbps
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -115,8 +116,8 @@ def touch_pages(path: str) -> None:
             int(np.asarray(t.data).reshape(-1)[::4096].sum())
 
 
-def strata_decode(rt, prompt: np.ndarray, n_tokens: int) -> list[float]:
-    """Seconds per greedy decode step after prefilling `prompt`."""
+def strata_decode(rt, prompt: np.ndarray, n_tokens: int, after_step=None) -> list[float]:
+    """Seconds per greedy decode step after prefilling `prompt`; after_step() (untimed) after each step."""
     state = rt.new_state()
     logits = rt.forward(state, prompt, all_logits=False)
     times = []
@@ -125,7 +126,41 @@ def strata_decode(rt, prompt: np.ndarray, n_tokens: int) -> list[float]:
         t = time.perf_counter()
         logits = rt.forward(state, token, all_logits=False)
         times.append(time.perf_counter() - t)
+        if after_step is not None:
+            after_step()
     return times
+
+
+class PairedRead:
+    """A read of one token's bytes from RAM after each decode step: the roofline of that moment.
+
+    On a shared machine the memory's pace moves from minute to minute (best probes of 1 GiB between decode runs
+    28-63 GB/s within an hour here), so a fraction of a roofline probed at another moment moves with it. Each
+    decode step is followed at once by a read of as many bytes as the step must read (the bytes_per_token total),
+    with the probe's Numba vector loads (bench_kernels._read_vectors; pages requested 32 KiB ahead and not, the
+    faster of the two), from a buffer of its own that the step's weights have pushed out of the caches. A step's
+    fraction is the read's time over the step's: how near the memory of that instant the step came."""
+
+    def __init__(self, nbytes: int):
+        self.token_bytes = nbytes
+        self.buffer = np.ones(nbytes // 4, np.float32)
+        self.nbytes = self.buffer.nbytes // (64 * 4096) * (64 * 4096)  # what _read_vectors reads: 64 whole-page parts
+        for ahead in (0, 32768):
+            _read_vectors(self.buffer, ahead)  # compiled, the pages faulted in
+        self.seconds: list[float] = []
+
+    def __call__(self) -> None:
+        best = float("inf")
+        for ahead in (0, 32768):
+            t = time.perf_counter()
+            _read_vectors(self.buffer, ahead)
+            best = min(best, time.perf_counter() - t)
+        self.seconds.append(best)
+
+    def fractions(self, steps: list[float]) -> list[float]:
+        """Each step's fraction of its moment's roofline (steps as strata_decode returned them with this as
+        after_step)."""
+        return [read * self.token_bytes / self.nbytes / step for read, step in zip(self.seconds, steps, strict=True)]
 
 
 def strata_prefill(rt, prompt: np.ndarray) -> float:
@@ -245,6 +280,14 @@ def markdown(r: dict) -> str:
                     f"each), roofline at their median {r['roofline_during_decode_tok_s']:.1f} tok/s: strata-async "
                     f"reaches {100 * r['roofline_during_decode_fraction']:.1f}% of it (float activations), "
                     f"{100 * r['roofline_during_decode_fraction_int8']:.1f}% (int8 activations)")
+    if "paired_read" in r:
+        parts = []
+        for key, mode in (("strata_async", "float activations"), ("strata_async_int8", "int8 activations")):
+            p = r["paired_read"][key]
+            parts.append(f"{100 * p['fraction']:.1f}% ({mode}; reads {min(p['read_gbps']):.1f}-"
+                         f"{max(p['read_gbps']):.1f} GB/s)")
+        rows.append("- each decode step against a read of its bytes right after it (median of the steps' "
+                    "fractions, runs of their own): " + ", ".join(parts))
     return "\n".join(rows) + "\n"
 
 
@@ -307,6 +350,19 @@ def main() -> int:
         if llama:
             theirs["prefill"].append(llama.prefill(long_prompt))
 
+    # Each decode step against a read of its bytes right after it (PairedRead), on runs of their own so the
+    # decode runs above stay as every earlier result measured them.
+    paired = {}
+    for key, r in (("strata_async", rt), ("strata_async_int8", rt_int8)):
+        reads = PairedRead(per_token["total"])
+        steps = []
+        for _ in range(a.repeats):
+            steps += strata_decode(r, short_prompt, a.decode_tokens, after_step=reads)
+        fractions = reads.fractions(steps)
+        paired[key] = {"fraction": float(np.median(fractions)), "fractions": fractions, "decode_step_s": steps,
+                       "read_gbps": [reads.nbytes / t / 1e9 for t in reads.seconds]}
+        del reads
+
     after = read_bandwidth(a.threads)  # before and after the runs, the faster of each: the machine's, not its load
     bandwidth = {k: max(v, after[k]) for k, v in bandwidth.items()}
 
@@ -339,6 +395,7 @@ def main() -> int:
     for key, suffix in (("strata_async", ""), ("strata_async_int8", "_int8")):
         result[f"roofline_during_decode_fraction{suffix}"] = (result[key]["decode_tok_s"]
                                                                / result["roofline_during_decode_tok_s"])
+    result["paired_read"] = paired
     if llama:
         for key, suffix in (("strata_async", ""), ("strata_async_int8", "_int8")):
             for what in ("decode", "prefill"):
