@@ -135,7 +135,7 @@ class PairedRead:
     """A read of one token's bytes from RAM after each decode step: the roofline of that moment.
 
     On a shared machine the memory's pace moves from minute to minute (best probes of 1 GiB between decode runs
-    28-63 GB/s within an hour here), so a fraction of a roofline probed at another moment moves with it. Each
+    31-58 GB/s within an hour here), so a fraction of a roofline probed at another moment moves with it. Each
     decode step is followed at once by a read of as many bytes as the step must read (the bytes_per_token total),
     with the probe's Numba vector loads (bench_kernels._read_vectors; pages requested 32 KiB ahead and not, the
     faster of the two), from a buffer of its own that the step's weights have pushed out of the caches. A step's
