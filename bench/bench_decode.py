@@ -44,7 +44,7 @@ from strata_async.kernels.quant_iq import IQ2_XS
 from strata_async.runtime import LoadOptions, load_runtime
 from strata_async.runtime.weights import IQ2_XS_GROWTH, REPACK_MODES, repacks_iq2_xs
 
-from bench_kernels import _read_vectors, ram_read_gbps
+from bench_kernels import READ_AHEADS, _read_vectors, ram_read_gbps
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -145,13 +145,13 @@ class PairedRead:
         self.token_bytes = nbytes
         self.buffer = np.ones(nbytes // 4, np.float32)
         self.nbytes = self.buffer.nbytes // (64 * 4096) * (64 * 4096)  # what _read_vectors reads: 64 whole-page parts
-        for ahead in (0, 32768):
+        for ahead in READ_AHEADS:
             _read_vectors(self.buffer, ahead)  # compiled, the pages faulted in
         self.seconds: list[float] = []
 
     def __call__(self) -> None:
         best = float("inf")
-        for ahead in (0, 32768):
+        for ahead in READ_AHEADS:
             t = time.perf_counter()
             _read_vectors(self.buffer, ahead)
             best = min(best, time.perf_counter() - t)

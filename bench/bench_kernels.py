@@ -98,13 +98,17 @@ def _best_rate(nbytes: int, read, passes: int) -> float:
     return nbytes / best
 
 
+# The probe's two page-request settings for _read_vectors: none, and each page 32 KiB ahead as the kernels ask.
+READ_AHEADS = (0, 32768)
+
+
 def ram_read_gbps(threads: int, nbytes: int = 1 << 30, passes: int = 5) -> dict[str, float]:
     """GB/s read from RAM on `threads` threads over nbytes: numpy sums of float32 parts (numpy releases the GIL),
     and Numba vector loads with and without requesting each page ahead (the hardware prefetchers stop at page
     boundaries; the kernels prefetch). "best": the faster, the roofline's bandwidth."""
     numba.set_num_threads(threads)
     a = np.ones(nbytes // 4, np.float32)
-    numba_gbps = max(_best_rate(a.nbytes, lambda: _read_vectors(a, ahead), passes) for ahead in (0, 32768)) / 1e9
+    numba_gbps = max(_best_rate(a.nbytes, lambda: _read_vectors(a, ahead), passes) for ahead in READ_AHEADS) / 1e9
     parts = np.array_split(a, threads)
     if threads == 1:
         numpy_gbps = _best_rate(a.nbytes, lambda: np.sum(parts[0]), passes) / 1e9
