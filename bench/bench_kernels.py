@@ -31,7 +31,7 @@ from gguf import GGMLQuantizationType as Q
 from synth_gguf import _quantized_pool, random_blocks
 
 from strata_async.kernels import quant, quant_planes
-from strata_async.kernels.quant_dispatch import _FASTMATH, float_dots, int_dots
+from strata_async.kernels.quant_dispatch import _FASTMATH, float_dots, int_dots, int_ready
 from strata_async.kernels.quant_dot import block_sums32
 from strata_async.kernels.quant_int import q8_activations
 from strata_async.kernels.quant_legacy import Q2_0
@@ -135,7 +135,8 @@ def loop_inputs(ggml_type: int, x: np.ndarray, act_quant: bool) -> tuple[bool, t
     and 16-sums (matvec_int's) where act_quant and the type has an integer dot, else float activations (rounded as
     ggml rounds them where act_quant), their sums per 32 and a scratch row."""
     if act_quant and quant.quant_dispatch.has_int_dot(ggml_type):
-        return True, q8_activations(x, quant._format(ggml_type).act_block)
+        xq, xd, xs16 = q8_activations(x, quant._format(ggml_type).act_block)
+        return True, (int_ready(ggml_type, xq), xd, xs16)  # the codes in the type's order, as the engine does
     xa = quant.quantize_activations(x, ggml_type) if act_quant else x
     xsum32 = np.empty(max(1, xa.shape[0] // 32), np.float32)
     block_sums32(xa, xsum32)

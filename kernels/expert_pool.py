@@ -24,7 +24,7 @@ from .grouped_codes import down_codes, gate_up_codes
 from .int_matmul import TokenCodes, quantize_tokens, use_codes
 from .quant import _check_weights, _format, activation_block, quantize_activations
 from .quant_dispatch import (INT_DOT_TYPES, ROW_TASK, _FASTMATH, dequant_row, float_dots, has_fused_dot, has_int_dot,
-                             int_dots)
+                             int_dots, int_ready)
 from .quant_dot import block_sums32
 from .quant_int import q8_activations, quantize_q8_sums
 from .small_matmul import matmul_nt_regs
@@ -81,11 +81,12 @@ def gate_up_float(tg, gate, tu, up, r0, r1, x, xsum32, scratch, h, u, weight):
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
-def gate_up_int(tg, gate, tu, up, r0, r1, xq, xd, xs, h, u):
+def gate_up_int(tg, gate, tu, up, r0, r1, xg, xu, xd, xs, h, u):
     """h[r] = silu(gate row r . x) * (up row r . x) for r0 <= r < r1 of one expert, x given as ggml's int8
-    blocks (integer dots); the weight comes after down, whose activations are these outputs rounded again."""
-    int_dots(tg, gate, r0, r1, xq, xd, xs, h, r0)
-    int_dots(tu, up, r0, r1, xq, xd, xs, u, 0)
+    blocks (integer dots; codes xg = int_ready(tg, ...), xu = int_ready(tu, ...)); the weight comes after down,
+    whose activations are these outputs rounded again."""
+    int_dots(tg, gate, r0, r1, xg, xd, xs, h, r0)
+    int_dots(tu, up, r0, r1, xu, xd, xs, u, 0)
     for r in range(r0, r1):
         g = h[r]
         h[r] = g / (np.float32(1.0) + np.exp(-g)) * u[r - r0]
@@ -143,6 +144,7 @@ def _swiglu_experts_int(tg, gate, tu, up, td, down, x, x_block, h_block, ids, we
     ffn = gate.shape[1]
     hidden = down.shape[1]
     xq, xd, xs = q8_activations(x, x_block)
+    xg, xu = int_ready(tg, xq), int_ready(tu, xq)
     h = np.empty((k, ffn), np.float32)
     per_expert = (ffn + ROW_TASK - 1) // ROW_TASK
     u = np.empty((k * per_expert, ROW_TASK), np.float32)  # each task's up products
@@ -151,12 +153,13 @@ def _swiglu_experts_int(tg, gate, tu, up, td, down, x, x_block, h_block, ids, we
         for first, end in claimed_runs(counter, k * per_expert, workers, 1):
             for task in range(first, end):
                 j, r0, r1 = _task_rows(task, per_expert, ffn)
-                gate_up_int(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, xq, xd, xs, h[j], u[task])
+                gate_up_int(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, xg, xu, xd, xs, h[j], u[task])
     hq = np.empty((k, ffn), np.int8)
     hd = np.empty((k, ffn // h_block), np.float32)
     hs = np.empty((k, ffn // 16), np.int32)
     for j in range(k):  # ~1 us per expert: a parallel region here would cost ~100 us of waking the workers
         quantize_q8_sums(h[j], h_block, hq[j], hd[j], hs[j])
+    hq = int_ready(td, hq.reshape(-1)).reshape(k, ffn)  # planes order by blocks: each row's the same
     per_expert = (hidden + ROW_TASK - 1) // ROW_TASK
     y = np.empty((k, hidden), np.float32)
     counter = task_counter()

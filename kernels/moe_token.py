@@ -26,7 +26,7 @@ import numpy as np
 from .activations import _sigmoid
 from .expert_pool import _add_experts, _task_rows, down_int, gate_up_float, gate_up_int
 from .quant import _check_weights, _format
-from .quant_dispatch import ROW_TASK, _FASTMATH, float_dots, has_fused_dot, has_int_dot
+from .quant_dispatch import ROW_TASK, _FASTMATH, float_dots, has_fused_dot, has_int_dot, int_ready
 from .quant_dot import block_sums32
 from .quant_float import BF16, F16, F32
 from .quant_int import q8_activations, quantize_q8_sums
@@ -67,6 +67,8 @@ def _moe_token(rt, router, it, gate_inp, normalize, tg, gate, tu, up, td, down, 
         sxq, sxd, sxs = xq, xd, xs
     else:
         sxq, sxd, sxs = _q8(x, blocks[2], quantized and sffn > 0)
+    xg, xu = int_ready(tg, xq), int_ready(tu, xq)  # the codes in each type's order (empty: no blocks to order)
+    sxg, sxu = int_ready(stg, sxq), int_ready(stu, sxq)
     scale = np.ones(1, np.float32)
     if sffn > 0 and gate_inp.shape[0] == 1:
         dot = np.empty(1, np.float32)
@@ -92,7 +94,7 @@ def _moe_token(rt, router, it, gate_inp, normalize, tg, gate, tu, up, td, down, 
                     r0 = s * ROW_TASK
                     r1 = min(sffn, r0 + ROW_TASK)
                     if quantized:
-                        gate_up_int(stg, sgate, stu, sup, r0, r1, sxq, sxd, sxs, sh, su[s])
+                        gate_up_int(stg, sgate, stu, sup, r0, r1, sxg, sxu, sxd, sxs, sh, su[s])
                     else:
                         scratch = xsum32 if has_fused_dot(stg) and has_fused_dot(stu) else np.empty(hidden, np.float32)
                         gate_up_float(stg, sgate, stu, sup, r0, r1, x, xsum32, scratch, sh, su[s], scale[0])
@@ -109,7 +111,7 @@ def _moe_token(rt, router, it, gate_inp, normalize, tg, gate, tu, up, td, down, 
             for task in range(first, end):
                 j, r0, r1 = _task_rows(task, per_expert, ffn)
                 if quantized:
-                    gate_up_int(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, xq, xd, xs, h[j], u[task])
+                    gate_up_int(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, xg, xu, xd, xs, h[j], u[task])
                 else:
                     scratch = xsum32 if has_fused_dot(tg) and has_fused_dot(tu) else np.empty(hidden, np.float32)
                     gate_up_float(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, x, xsum32, scratch, h[j], u[task],
@@ -126,7 +128,9 @@ def _moe_token(rt, router, it, gate_inp, normalize, tg, gate, tu, up, td, down, 
             quantize_q8_sums(h[j], blocks[1], hq[j], hd[j], hs[j])
         elif ffn % 32 == 0:
             block_sums32(h[j], hsum32[j])
+    hq = int_ready(td, hq.reshape(-1)).reshape(k, nq)  # planes order by blocks: each row's the same
     shq, shd, shs = _q8(sh, blocks[3], quantized and sffn > 0)
+    shq = int_ready(std, shq)
     shsum32 = _sums32(sh)
 
     per_expert = (hidden + ROW_TASK - 1) // ROW_TASK

@@ -23,7 +23,8 @@ from .quant_int import (idot_iq4_nl, idot_iq4_xs, idot_mxfp4, idot_q2_0, idot_q2
 from .simd import IS_INTEL, fdot_f32_64, prefetch, prefetch_l2
 from .quant_nl import (IQ4_NL, IQ4_XS, MXFP4, dequant_iq4_nl, dequant_iq4_xs, dequant_mxfp4, dot_iq4_nl,
                        dot_iq4_xs, dot_mxfp4)
-from .quant_planes import IQ2_XS_PLANES, dequant_planes, dot_planes, idot_planes
+from .quant_planes import (IQ2_XS_PLANES, dequant_planes, dot_planes, idot_planes, planes_order_f32,
+                           planes_order_i8)
 from .quant_q8 import Q8_0, dequant_q8_0
 from .task_queue import claimed_runs, task_counter, worker_count
 
@@ -204,7 +205,16 @@ _rows_dot_q4_1 = _float_rows(dot_q4_1)
 _rows_dot_q5_0 = _float_rows(dot_q5_0)
 _rows_dot_q5_1 = _float_rows(dot_q5_1)
 _rows_dot_iq2_xs = _float_rows(dot_iq2_xs)
-_rows_dot_planes = _float_rows(dot_planes)
+
+
+@numba.njit(nogil=True, fastmath=_FASTMATH)
+def _rows_dot_planes(w, r0, r1, x, xsum32, out, o0):
+    """_float_rows for IQ2_XS_PLANES, x put into the planes' value order once a call (quant_planes)."""
+    xo = planes_order_f32(x)
+    ahead = rows_ahead(w)
+    for r in range(r0, r1):
+        prefetch_row(w, r, ahead)
+        out[o0 + r - r0] = dot_planes(w[r], xo)
 _rows_dot_iq2_xxs = _float_rows(dot_iq2_xxs)
 _rows_dot_iq3_xxs = _float_rows(dot_iq3_xxs)
 _rows_dot_iq2_s = _float_rows(dot_iq2_s)
@@ -370,7 +380,26 @@ _rows_idot_q4_1 = _int_rows(idot_q4_1)
 _rows_idot_q5_0 = _int_rows(idot_q5_0)
 _rows_idot_q5_1 = _int_rows(idot_q5_1)
 _rows_idot_iq2_xs = _int_rows(idot_iq2_xs)
-_rows_idot_planes = _int_rows(idot_planes)
+
+
+@numba.njit(nogil=True, fastmath=_FASTMATH)
+def _rows_idot_planes(w, r0, r1, xq, xd, xs16, out, o0):
+    """_int_rows for IQ2_XS_PLANES: xq in the planes' value order already (int_ready)."""
+    ahead = rows_ahead(w)
+    for r in range(r0, r1):
+        prefetch_row(w, r, ahead)
+        out[o0 + r - r0] = idot_planes(w[r], xq, xd)
+
+
+@numba.njit(inline="always", nogil=True)
+def int_ready(t, xq):
+    """int8 activation codes (a 1-D array of whole 256-value blocks for IQ2_XS_PLANES) as int_dots takes them
+    for type t: in the planes' value order for IQ2_XS_PLANES (a new array, made once per input, not once per
+    call of rows: a task of 16 rows of 512 values had spent as long ordering its input as computing), as they
+    are for every other type."""
+    if t == IQ2_XS_PLANES:
+        return planes_order_i8(xq)
+    return xq
 _rows_idot_iq2_xxs = _int_rows(idot_iq2_xxs)
 _rows_idot_iq3_xxs = _int_rows(idot_iq3_xxs)
 _rows_idot_iq2_s = _int_rows(idot_iq2_s)
@@ -384,9 +413,9 @@ _rows_idot_q8_0 = _int_rows(idot_q8_0)
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def int_dots(t, w, r0, r1, xq, xd, xs16, out, o0):
-    """out[o0 + r - r0] = row r of w (a has_int_dot type) times quantized activations (xq codes, xd block scales,
-    xs16 the codes' 16-sums) for r0 <= r < r1, each row's lines requested PREFETCH_BYTES ahead; the type's branch
-    taken once a call (see float_dots)."""
+    """out[o0 + r - r0] = row r of w (a has_int_dot type) times quantized activations (xq codes as int_ready(t)
+    gives them, xd block scales, xs16 the codes' 16-sums) for r0 <= r < r1, each row's lines requested
+    PREFETCH_BYTES ahead; the type's branch taken once a call (see float_dots)."""
     if t == Q4_K:
         _rows_idot_q4_k(w, r0, r1, xq, xd, xs16, out, o0)
     elif t == Q6_K:
@@ -450,11 +479,11 @@ def matvec_int(t, w, x, block, out, workers):
     """out = W @ x for a has_int_dot type, x float32 rounded to int8 blocks as ggml does (quant_int), over
     `workers` worker threads (<= 0: the calling thread's Numba thread count)."""
     xq, xd, xs16 = q8_activations(x, block)
-    _matvec_int_rows(t, w, xq, xd, xs16, out, worker_count(workers))
+    _matvec_int_rows(t, w, int_ready(t, xq), xd, xs16, out, worker_count(workers))
 
 
 @numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)
 def matvec_int_serial(t, w, x, block, out):
     """matvec_int on the calling thread (small matrices)."""
     xq, xd, xs16 = q8_activations(x, block)
-    _matvec_int_rows(t, w, xq, xd, xs16, out, 1)
+    _matvec_int_rows(t, w, int_ready(t, xq), xd, xs16, out, 1)

@@ -18,9 +18,10 @@ import numpy as np
 
 from .ggml_blocks import f16
 from .quant import register_type
-from .quant_iq import _IQ2XS_TABLES, _IQ2XS_WORDS, _KSIGNS
-from .simd import (HAS_F16C, HAS_VBMI_BITALG, IQ2_XS_MAGNITUDES, PLANES_BYTES, PLANES_LEVELS, PLANES_SCALES,
-                   PLANES_SIGNS, dequant_planes_block, fdot_planes_blocks, fdot_planes_row)
+from .quant_iq import _IQ2XS_WORDS, _KSIGNS
+from .simd import (HAS_F16C, HAS_VBMI_BITALG, IQ2_XS_MAGNITUDES, PLANES_BYTES, PLANES_LEVELS, PLANES_ORDER,
+                   PLANES_SCALES, PLANES_SIGNS, dequant_planes_block, fdot_planes_blocks, fdot_planes_row,
+                   order_planes_f32, order_planes_i8)
 
 IQ2_XS_PLANES = 1017  # an in-memory type: ggml's numbering stops far below
 _IQ2_XS_BYTES = 74
@@ -31,13 +32,16 @@ AVAILABLE = HAS_VBMI_BITALG and HAS_F16C
 register_type(IQ2_XS_PLANES, "IQ2_XS_PLANES", _QK, PLANES_BYTES, act_block=_QK, in_files=False)
 
 _MAGNITUDES = np.array(IQ2_XS_MAGNITUDES + (0,), np.float32)
+# value v's position u in a block (simd.PLANES_ORDER[u] == v)
+_POSITION = np.argsort(np.array(PLANES_ORDER)).astype(np.int32)
 
 
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=False)
 def repack_iq2_xs(src, dst):
     """IQ2_XS rows src [rows, row bytes] -> IQ2_XS_PLANES rows dst [rows, blocks * 106]: per group of 8 values its
-    grid point's levels (_IQ2XS_WORDS: value j's at bits 2 j) into the level planes, its eight sign bits (ggml's
-    ksigns of the 7 stored) into the sign bytes; d and the scale bytes copied."""
+    grid point's levels (_IQ2XS_WORDS: value j's at bits 2 j) and its eight sign bits (ggml's ksigns of the 7
+    stored) to their values' positions (simd.PLANES_ORDER) in the level planes and sign bytes; d and the scale
+    bytes copied."""
     blocks = src.shape[1] // _IQ2_XS_BYTES
     for r in numba.prange(src.shape[0]):
         for b in range(blocks):
@@ -46,16 +50,17 @@ def repack_iq2_xs(src, dst):
             dst[r, o + 1] = src[r, i + 1]
             for k in range(8):
                 dst[r, o + PLANES_SCALES + k] = src[r, i + 66 + k]
-            for k in range(64):
-                dst[r, o + PLANES_LEVELS + k] = 0
+            for k in range(PLANES_SCALES + 8, PLANES_BYTES):
+                dst[r, o + k] = 0
             for g in range(32):
                 code = np.uint16(src[r, i + 2 + 2 * g]) | np.uint16(src[r, i + 3 + 2 * g]) << np.uint16(8)
-                dst[r, o + PLANES_SIGNS + g] = _KSIGNS[code >> 9]
+                signs = _KSIGNS[code >> 9]
                 levels = _IQ2XS_WORDS[code & 511]
                 for j in range(8):
-                    v = 8 * g + j
+                    u = _POSITION[8 * g + j]
                     level = np.uint8(levels >> (2 * j) & 3)
-                    dst[r, o + PLANES_LEVELS + v % 64] |= level << np.uint8(2 * (v // 64))
+                    dst[r, o + PLANES_LEVELS + u % 64] |= level << np.uint8(2 * (u // 64))
+                    dst[r, o + PLANES_SIGNS + u // 8] |= np.uint8(signs >> j & 1) << np.uint8(u % 8)
 
 
 def repack(data: np.ndarray) -> np.ndarray:
@@ -71,9 +76,10 @@ def repack(data: np.ndarray) -> np.ndarray:
 
 @numba.njit(inline="always", nogil=True)
 def _value(src, o, v):
-    """Value v's magnitude (float32) and sign bit of the block at src[o]."""
-    level = src[o + PLANES_LEVELS + v % 64] >> (2 * (v // 64)) & 3
-    return _MAGNITUDES[level], src[o + PLANES_SIGNS + v // 8] >> (v % 8) & 1
+    """Value v's magnitude (float32) and sign bit of the block at src[o] (at its position u)."""
+    u = _POSITION[v]
+    level = src[o + PLANES_LEVELS + u % 64] >> (2 * (u // 64)) & 3
+    return _MAGNITUDES[level], src[o + PLANES_SIGNS + u // 8] >> (u % 8) & 1
 
 
 @numba.njit(nogil=True, fastmath=False)
@@ -83,7 +89,7 @@ def dequant_planes(src, dst):
     a step)."""
     for b in range(dst.shape[0] // _QK):
         o = PLANES_BYTES * b
-        dequant_planes_block(_IQ2XS_TABLES, src, o, f16(src, o), dst, _QK * b)
+        dequant_planes_block(src, o, f16(src, o), dst, _QK * b)
 
 
 @numba.njit(nogil=True, fastmath=False)
@@ -129,17 +135,39 @@ def planes_loop(src, x, xd):
     return _planes_loop(src, x, xd)
 
 
-@numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
-def dot_planes(src, x, xsum32):
-    """One IQ2_XS_PLANES row times float32 x."""
+@numba.njit(inline="always", nogil=True)
+def planes_order_f32(x):
+    """Float32 activations in the planes' value order (simd.PLANES_ORDER), as dot_planes takes them: a new array
+    where the vector dot runs, x itself for the portable one. Once a call of many rows."""
     if AVAILABLE:
-        return fdot_planes_row(_IQ2XS_TABLES, src, x, x.shape[0] // _QK)
-    return _planes_loop(src, x, np.ones(x.shape[0] // _QK, np.float32))
+        xo = np.empty(x.shape[0], np.float32)
+        order_planes_f32(x, xo, x.shape[0] // _QK)
+        return xo
+    return x
+
+
+@numba.njit(inline="always", nogil=True)
+def planes_order_i8(xq):
+    """planes_order_f32 for int8 activation codes (idot_planes)."""
+    if AVAILABLE:
+        xo = np.empty(xq.shape[0], np.int8)
+        order_planes_i8(xq, xo, xq.shape[0] // _QK)
+        return xo
+    return xq
 
 
 @numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
-def idot_planes(src, xq, xd, xs16):
-    """One IQ2_XS_PLANES row times Q8_K activations: IQ2_XS's integer dot (ggml's vec_dot_iq2_xs_q8_K)."""
+def dot_planes(src, xo):
+    """One IQ2_XS_PLANES row times float32 activations xo from planes_order_f32."""
     if AVAILABLE:
-        return fdot_planes_blocks(_IQ2XS_TABLES, src, xq, xd, xq.shape[0] // _QK)
-    return _planes_loop(src, xq, xd)
+        return fdot_planes_row(src, xo, xo.shape[0] // _QK)
+    return _planes_loop(src, xo, np.ones(xo.shape[0] // _QK, np.float32))
+
+
+@numba.njit(inline="always", nogil=True, fastmath={"nsz", "arcp", "contract", "reassoc"})
+def idot_planes(src, xo, xd):
+    """One IQ2_XS_PLANES row times Q8_K activations (codes xo from planes_order_i8, block scales xd): IQ2_XS's
+    integer dot (ggml's vec_dot_iq2_xs_q8_K)."""
+    if AVAILABLE:
+        return fdot_planes_blocks(src, xo, xd, xo.shape[0] // _QK)
+    return _planes_loop(src, xo, xd)

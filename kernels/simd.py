@@ -1019,12 +1019,8 @@ def _vnni_step_pairs(context, builder, block, x_ty, x, xo):
         # vpackssdw per 128-bit lane L: words 8 L .. 8 L + 3 from the first step's lanes 4 L .. 4 L + 3 (its values
         # 16 L .. 16 L + 15: run L), words 8 L + 4 .. 8 L + 7 from the second step's run L
         words = _x86(builder, "llvm.x86.avx512.packssdw.512", w32, dots)
-        pair_words = getattr(block, "pair_words", None)
-        if pair_words is not None:
-            scale_words = pair_words(pair)
-        else:
-            both = builder.shuffle_vector(scales[0], scales[1], _vec_const(32, range(8)))
-            scale_words = _shuffle(builder, both, [w // 8 + (4 if w % 8 >= 4 else 0) for w in range(32)])
+        both = builder.shuffle_vector(scales[0], scales[1], _vec_const(32, range(8)))
+        scale_words = _shuffle(builder, both, [w // 8 + (4 if w % 8 >= 4 else 0) for w in range(32)])
         total = _x86(builder, "llvm.x86.avx512.vpdpwssd.512", v16,
                      [total, builder.bitcast(words, v16), builder.bitcast(scale_words, v16)])
     return total
@@ -1211,30 +1207,6 @@ def _nibble_odd16(context, builder, src_ty, src, o, first, n):
     return builder.add(builder.shl(nibs, _vec_const(16, [1] * (2 * n))), _vec_const(16, [1] * (2 * n)))
 
 
-def _pair_scale_words(context, builder, src_ty, src, o, first):
-    """The run scales 2 s + 1 of a block's 16 4-bit scales (8 bytes at src[o + first], byte i's low nibble first)
-    in the word order of _vnni_step_pairs' pair of steps `pair` -> <32 x i16>: the scale qword broadcast, one
-    vpmultishiftqb takes each word's nibble one bit low (so it lands as 2 s; the field wraps around the qword
-    for run 0) and one vpternlog keeps those four bits and sets bit 0: five instructions a block where spreading
-    the nibbles to words (a widening, shifts, two vpermw) had taken eight. IQ2_XS_PLANES rows from the cache on
-    one Zen 4 core, int8, the two builds alternating: 1.02-1.07x as fast for rows of 2048 values, 1.05-1.12x for
-    rows of 512 (the experts' down rows); streaming from RAM on two threads, the builds alternating in one
-    process, with quant_dispatch.rows_ahead: 1.05x (rows of 2048) and 1.075x (512). IQ2_XS's own dot, bound by
-    its grid look-up, gained nothing (0.99-1.01x) and keeps the shuffles."""
-    v64, v8 = ir.VectorType(_I8, 64), ir.VectorType(_I64, 8)
-    w32 = ir.VectorType(ir.IntType(16), 32)
-    q = builder.load(_pointer(context, builder, src_ty, src, _at(builder, o, first), _I64), align=1)
-    qs = builder.bitcast(builder.insert_element(ir.Constant(v8, ir.Undefined), q, ir.Constant(_I32, 0)), v8)
-    wide = builder.bitcast(builder.shuffle_vector(qs, qs, _vec_const(32, [0] * 8)), v64)
-
-    def words(pair):
-        runs = [4 * (2 * pair + (w % 8 >= 4)) + w // 8 for w in range(32)]
-        ctrl = _vec_const(8, [(4 * runs[b // 2] - 1) % 64 for b in range(64)])
-        fields = builder.bitcast(_x86(builder, "llvm.x86.avx512.pmultishift.qb.512", v64, [ctrl, wide]), w32)
-        return builder.or_(builder.and_(fields, _vec_const(16, [0x1E] * 32)), _vec_const(16, [1] * 32))
-    return words
-
-
 def _iq2_s_blocks(context, builder, grid_ty, grid, blocks):
     """The steps (_grid_steps) of IQ2_S blocks (82 bytes: fp16 d, 32 grid-index low bytes, 32 sign bytes, 8 qh
     bytes with the index's two high bits of group 4 i + l at bits 2 l of byte i, 8 scale bytes: a 4-bit scale
@@ -1372,21 +1344,26 @@ def _reduce_or16(builder, vec):
 
 
 # IQ2_XS as level planes (quant_planes.IQ2_XS_PLANES, made from IQ2_XS blocks at load): per 256 values, 106 bytes.
-# Bytes 0-1 fp16 d and 2-9 the 4-bit run scales, as IQ2_XS has them; bytes 10-73 the values' magnitude levels
-# (0, 1, 2 for IQ2_XS_MAGNITUDES 8, 25, 43), value 64 s + j's at bits 2 s of byte 10 + j; bytes 74-105 the sign
-# bits, value v's at bit v % 8 of byte 74 + v // 8 (IQ2_XS's eight signs a group with the parity bit made explicit).
+# Bytes 0-1 fp16 d and 2-9 the 4-bit run scales, as IQ2_XS has them (run j's at nibble j % 2 of byte 2 + j // 2);
+# bytes 10-73 the magnitude levels (0, 1, 2 for IQ2_XS_MAGNITUDES 8, 25, 43), position 64 s + p's at bits 2 s of
+# byte 10 + p; bytes 74-105 the sign bits, position u's at bit u % 8 of byte 74 + u // 8 (IQ2_XS's eight signs a
+# group with the parity bit made explicit). Position u = 64 s + p holds value PLANES_ORDER[u] = 16 (p // 4) + 4 s +
+# p % 4: a step s (64 positions, one vector) holds four values of every run of 16, so each 4-byte lane j of a step
+# is run j's in every step, and the integer dot sums the four steps into one vector before it multiplies by the run
+# scales once a block (fdot_planes_blocks). Activations go into the same order first (order_planes_i8 / _f32).
 PLANES_BYTES, PLANES_SCALES, PLANES_LEVELS, PLANES_SIGNS = 106, 2, 10, 74
+PLANES_ORDER = tuple(16 * (u % 64 // 4) + 4 * (u // 64) + u % 4 for u in range(256))
 
 
-def _planes_blocks(context, builder, grid_ty, grid, blocks, offset=None, scale_words=True):
-    """The steps of IQ2_XS_PLANES blocks at src[o] for (src type, src, o) in blocks, as _iq2_xs_blocks gives them
-    (grid unused; AVX-512 VBMI): step s's magnitudes by one vpermb of the block's 64 level bytes through a 64-byte
-    table that reads bits 2 s .. 2 s + 1 of the index (vpermb reads six index bits; step 3 shifts its bits down
-    first), its negative lanes straight from the sign bytes as a mask register. With an offset, the values come as
-    offset +- magnitude by a second table. No grid look-up and no sign computing: the IQ2_XS dot's look-up and
-    signs had taken ~30% of it, and in-format the per-step multishift, bit-shuffle and vpermb ~25% more.
-    scale_words: each pair of steps' run scales for the integer dot by _pair_scale_words (False: spread from the
-    steps' scales, the earlier form, for comparing the two)."""
+def _planes_blocks(context, builder, grid_ty, grid, blocks, offset=None):
+    """The steps of IQ2_XS_PLANES blocks at src[o] for (src type, src, o) in blocks (grid unused; AVX-512 VBMI):
+    step s -> (the magnitudes of positions 64 s .. 64 s + 63 as <64 x i8>, their negative lanes), by one vpermb of
+    the block's 64 level bytes through a 64-byte table that reads bits 2 s .. 2 s + 1 of the index (vpermb reads
+    six index bits; step 3 shifts its bits down first), the negative lanes straight from the sign bytes as a mask
+    register. With an offset, the values come as offset +- magnitude by a second table. No grid look-up and no
+    sign computing: the IQ2_XS dot's look-up and signs had taken ~30% of it, and in-format the per-step
+    multishift, bit-shuffle and vpermb ~25% more. Positions hold values in PLANES_ORDER; the run scales are the
+    callers' (_planes_run_scales, _planes_odd64)."""
     v64 = ir.VectorType(_I8, 64)
     mask64 = ir.VectorType(ir.IntType(1), 64)
 
@@ -1411,9 +1388,8 @@ def _planes_blocks(context, builder, grid_ty, grid, blocks, offset=None, scale_w
     steppers = []
     for src_ty, src, o in blocks:
         levels = _load(context, builder, src_ty, src, _at(builder, o, PLANES_LEVELS), 64)
-        odd = _nibble_odd16(context, builder, src_ty, src, o, PLANES_SCALES, 8)
 
-        def step(s, src_ty=src_ty, src=src, o=o, levels=levels, odd=odd):
+        def step(s, src_ty=src_ty, src=src, o=o, levels=levels):
             index = levels if s < 3 else builder.lshr(levels, _vec_const(8, [6] * 64))
             bits = builder.load(_pointer(context, builder, src_ty, src, _at(builder, o, PLANES_SIGNS + 8 * s), _I64),
                                 align=1)
@@ -1421,9 +1397,7 @@ def _planes_blocks(context, builder, grid_ty, grid, blocks, offset=None, scale_w
             g8 = look_up(table(s, 1), index, s)
             if offset is not None:
                 g8 = builder.select(neg, look_up(table(s, -1), index, s), g8)
-            return g8, neg, _shuffle(builder, odd, [4 * s + k for k in range(4)])
-        if scale_words and HAS_VBMI_BITALG:
-            step.pair_words = _pair_scale_words(context, builder, src_ty, src, o, PLANES_SCALES)
+            return g8, neg
         steppers.append(step)
     return steppers
 
@@ -1435,7 +1409,125 @@ fdot_iq2_s_blocks, fdot_iq2_s_row = _iq2_dots(_iq2_s_blocks, 82, "iq2_s", pairs=
 fdot_iq3_s_blocks, fdot_iq3_s_row = _iq2_dots(_iq3_s_blocks, 110, "iq3_s", d_factor=1.0, table=_u32_table)
 fdot_iq1_s_blocks, fdot_iq1_s_row = _iq2_dots(_iq1_s_blocks, 50, "iq1_s")
 fdot_iq1_m_blocks, fdot_iq1_m_row = _iq2_dots(_iq1_m_blocks, 56, "iq1_m", d_at=_iq1_m_d)
-fdot_planes_blocks, fdot_planes_row = _iq2_dots(_planes_blocks, PLANES_BYTES, "planes")
+
+
+def _planes_run_scales(context, builder, src_ty, src, o):
+    """The 16 run scales 2 s + 1 of the IQ2_XS_PLANES block at src[o], run j's in lane j (<16 x i32>). With VBMI
+    the scale qword broadcast and one vpmultishiftqb puts nibble j one bit up in dword j's low byte (run 0's field
+    wraps around from bit 63), then one vpternlog keeps those four bits and sets bit 0."""
+    v16 = ir.VectorType(_I32, 16)
+    if HAS_VBMI_BITALG:
+        v64, v8 = ir.VectorType(_I8, 64), ir.VectorType(_I64, 8)
+        q = builder.load(_pointer(context, builder, src_ty, src, _at(builder, o, PLANES_SCALES), _I64), align=1)
+        qs = builder.insert_element(ir.Constant(v8, ir.Undefined), q, ir.Constant(_I32, 0))
+        wide = builder.bitcast(builder.shuffle_vector(qs, qs, _vec_const(32, [0] * 8)), v64)
+        ctrl = _vec_const(8, [(4 * (b // 4) - 1) % 64 if b % 4 == 0 else 0 for b in range(64)])
+        fields = builder.bitcast(_x86(builder, "llvm.x86.avx512.pmultishift.qb.512", v64, [ctrl, wide]), v16)
+    else:
+        sb = builder.zext(_load(context, builder, src_ty, src, _at(builder, o, PLANES_SCALES), 8),
+                          ir.VectorType(_I32, 8))
+        nibs = builder.lshr(_shuffle(builder, sb, [j // 2 for j in range(16)]), _vec_const(32, [0, 4] * 8))
+        fields = builder.shl(nibs, _vec_const(32, [1] * 16))
+    return builder.or_(builder.and_(fields, _vec_const(32, [0x1E] * 16)), _vec_const(32, [1] * 16))
+
+
+@intrinsic
+def fdot_planes_blocks(typingctx, src, x, xd, blocks):
+    """sum over the first `blocks` IQ2_XS_PLANES blocks of a row of d_b / 8 xd[b] times the block's integer sum
+    with int8 x, x in the planes' value order (order_planes_i8): per block the four steps' magnitudes times the
+    sign-applied x in one vpdpbusd accumulator (lane j: run j's 16 values), times the run scales by one vpmulld.
+    The steps had each been scaled apart (a pack, a vpdpwssd and the scale words per two steps): in a Zen 4 core's
+    loop from L1, 15.5 cycles a block against 17.9. Lanes stay exact: |16 * 43 * 127 * 31| < 2^22."""
+    if not (_byte_array(src) and _byte_array(x) and _float_array(xd)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        src_ty, src_v, x_ty, x_v, xd_ty, xd_v = sig.args[0], args[0], sig.args[1], args[1], sig.args[2], args[2]
+        v16 = ir.VectorType(_I32, 16)
+
+        def terms(bs):
+            offsets = [builder.mul(b, ir.Constant(b.type, PLANES_BYTES)) for b in bs]
+            steppers = _planes_blocks(context, builder, None, None, [(src_ty, src_v, o) for o in offsets])
+            out = []
+            for b, o, block in zip(bs, offsets, steppers):
+                xo = builder.mul(b, ir.Constant(b.type, 256))
+                acc = ir.Constant(v16, [0] * 16)
+                for step in range(4):
+                    g8, neg = block(step)
+                    xs = _negate_where(builder, _load(context, builder, x_ty, x_v, _at(builder, xo, 64 * step), 64),
+                                       neg)
+                    acc = _dpbusd(builder, acc, builder.bitcast(g8, v16), builder.bitcast(xs, v16), HAS_VNNI)
+                lanes = builder.mul(acc, _planes_run_scales(context, builder, src_ty, src_v, o))
+                d8 = builder.fmul(_half_at(context, builder, src_ty, src_v, o), ir.Constant(ir.FloatType(), 0.125))
+                out.append((lanes, builder.fmul(d8, _elem(context, builder, xd_ty, xd_v, b))))
+            return out
+        return _paired_blocks(context, builder, args[3], terms)
+    return types.float32(src, x, xd, blocks), codegen
+
+
+def _planes_odd64(context, builder, src_ty, src, o):
+    """The run scale 2 s + 1 of each of a step's 64 positions (position p: run p // 4) as <64 x i16>."""
+    odd = _nibble_odd16(context, builder, src_ty, src, o, PLANES_SCALES, 8)
+    return _shuffle(builder, odd, [p // 4 for p in range(64)])
+
+
+@intrinsic
+def fdot_planes_row(typingctx, src, x, blocks):
+    """sum over the first `blocks` IQ2_XS_PLANES blocks of a row times float32 x in the planes' value order
+    (order_planes_f32): value times run scale as an exact int16 product, converted once and multiplied with x in
+    float lanes kept across the row."""
+    if not (_byte_array(src) and _float_array(x)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        src_ty, src_v, x_ty, x_v = sig.args[0], args[0], sig.args[1], args[1]
+        f32, i16 = ir.FloatType(), ir.IntType(16)
+
+        def terms(bs):
+            offsets = [builder.mul(b, ir.Constant(b.type, PLANES_BYTES)) for b in bs]
+            steppers = _planes_blocks(context, builder, None, None, [(src_ty, src_v, o) for o in offsets])
+            out = []
+            for b, o, block in zip(bs, offsets, steppers):
+                y = builder.mul(b, ir.Constant(b.type, 256))
+                odd64 = _planes_odd64(context, builder, src_ty, src_v, o)
+                total = None
+                for step in range(4):
+                    g8, neg = block(step)
+                    scaled = builder.mul(builder.sext(_negate_where(builder, g8, neg), ir.VectorType(i16, 64)), odd64)
+                    xv = _load_vec(context, builder, x_ty, x_v, _at(builder, y, 64 * step), f32, 64)
+                    part = builder.fmul(builder.sitofp(scaled, ir.VectorType(f32, 64)), xv, flags=_FL)
+                    total = part if total is None else builder.fadd(total, part, flags=_FL)
+                d8 = builder.fmul(_half_at(context, builder, src_ty, src_v, o), ir.Constant(f32, 0.125))
+                out.append((_fold16(builder, total), d8))
+            return out
+        return _paired_blocks(context, builder, args[2], terms)
+    return types.float32(src, x, blocks), codegen
+
+
+def _order_planes(elem, name):
+    """An intrinsic (x, out, blocks): out = x's first `blocks` blocks of 256 values in the planes' value order
+    (PLANES_ORDER), x and out 1-D arrays of `elem`: one shuffle a block."""
+    mask = [v for v in PLANES_ORDER]
+
+    @intrinsic
+    def order(typingctx, x, out, blocks):
+        check = _byte_array if elem == _I8 else _float_array
+        if not (check(x) and check(out)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            x_ty, x_v, out_ty, out_v, n = sig.args[0], args[0], sig.args[1], args[1], args[2]
+            with cgutils.for_range(builder, n) as loop:
+                o = builder.mul(loop.index, ir.Constant(loop.index.type, 256))
+                v = _load_vec(context, builder, x_ty, x_v, o, elem, 256)
+                _store(context, builder, out_ty, out_v, o, builder.shuffle_vector(v, v, _vec_const(32, mask)))
+            return context.get_dummy_value()
+        return types.none(x, out, blocks), codegen
+    order.__name__ = name
+    return order
+
+
+order_planes_i8 = _order_planes(_I8, "order_planes_i8")
 
 
 def _reduce_fadd(builder, vec, n):
@@ -1675,7 +1767,37 @@ def _dequant_block(reader, name):
 # IQ2_XS's blocks, and its planes (quant_planes; their dequant had been a scalar loop: float prompts of the
 # synthetic 80B IQ2_XS file 0.50x llama.cpp against 0.90x as IQ2_XS)
 dequant_iq2_xs_block = _dequant_block(_iq2_xs_blocks, "iq2_xs")
-dequant_planes_block = _dequant_block(_planes_blocks, "planes")
+
+
+@intrinsic
+def dequant_planes_block(typingctx, src, o, d, dst, y):
+    """dst[y:y+256] = the IQ2_XS_PLANES block at src[o] (its fp16 d given as a float) in value order, ggml's
+    operations in its order as _dequant_block's: per run (d * (0.5 + s)) * 0.25 times the signed magnitude, each
+    step's four-value lanes stored where PLANES_ORDER puts their values."""
+    if not (_byte_array(src) and _float_array(dst)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        src_ty, src_v, o_v, d_v, dst_ty, dst_v, y_v = sig.args[0], args[0], args[1], args[2], sig.args[3], args[3], \
+            args[4]
+        f32 = ir.FloatType()
+        v16f = ir.VectorType(f32, 16)
+        odd = _nibble_odd16(context, builder, src_ty, src_v, o_v, PLANES_SCALES, 8)
+        half_odd = builder.fmul(builder.uitofp(odd, v16f), ir.Constant(v16f, [0.5] * 16))
+        db = builder.fmul(builder.fmul(_splat_f(builder, d_v, 16), half_odd), ir.Constant(v16f, [0.25] * 16))
+        db64 = _shuffle(builder, db, [p // 4 for p in range(64)])
+        block, = _planes_blocks(context, builder, None, None, [(src_ty, src_v, o_v)])
+        for step in range(4):
+            g8, neg = block(step)
+            out = builder.fmul(db64, builder.sitofp(_negate_where(builder, g8, neg), ir.VectorType(f32, 64)))
+            for run in range(16):
+                _store(context, builder, dst_ty, dst_v, _at(builder, y_v, 16 * run + 4 * step),
+                       _shuffle(builder, out, range(4 * run, 4 * run + 4)))
+        return context.get_dummy_value()
+    return types.none(src, o, types.float32, dst, y), codegen
+
+
+order_planes_f32 = _order_planes(ir.FloatType(), "order_planes_f32")
 
 
 @intrinsic

@@ -333,15 +333,21 @@ def iq2_xs_codes256_pair(typingctx, grid, src_a, oa, dst_a, src_b, ob, dst_b):
 
 @intrinsic
 def planes_codes256(typingctx, src, o, dst, y):
-    """dst[y:y + 256] = the codes 43 +- value of the IQ2_XS_PLANES block at src[o], as iq2_xs_codes256 gives an
-    IQ2_XS block's (simd._planes_blocks with an offset: two vpermb a step)."""
+    """dst[y:y + 256] = the codes 43 +- value of the IQ2_XS_PLANES block at src[o] in value order, as
+    iq2_xs_codes256 gives an IQ2_XS block's (simd._planes_blocks with an offset: two vpermb a step; each step's
+    four-value lanes stored where simd.PLANES_ORDER puts their values)."""
     if not (_byte_array(src) and _byte_array(dst)):
         return None
 
     def codegen(context, builder, sig, args):
         src_v, o_v, dst_v, y_v = args
-        _store_iq2_xs_codes(context, builder, None, None, [(sig.args[0], src_v, o_v, sig.args[2], dst_v, y_v)],
-                            _planes_blocks)
+        block, = _planes_blocks(context, builder, None, None, [(sig.args[0], src_v, o_v)], 43)
+        for step in range(4):
+            codes = block(step)[0]
+            for run in range(16):
+                lanes = ir.Constant(ir.VectorType(_I32, 4), list(range(4 * run, 4 * run + 4)))
+                at = builder.add(y_v, ir.Constant(y_v.type, 16 * run + 4 * step))
+                _store(context, builder, sig.args[2], dst_v, at, builder.shuffle_vector(codes, codes, lanes))
         return context.get_dummy_value()
     return types.none(src, o, dst, y), codegen
 
