@@ -7,7 +7,13 @@ from the cache on a Zen 4 core, where Q4_K's dot takes 0.035. The planes hold th
 unit: each value's magnitude level as 2 bits (four steps of 64 values in one 64-byte vector), its sign as a bit
 (a step's 64 signs are one mask register), the fp16 d and the 4-bit run scales as IQ2_XS has them
 (simd.PLANES_*). 106 bytes per 256 values where IQ2_XS takes 74: 1.43x the memory, never twice, for a dot 1.5-1.75x
-as fast (bench/README.md). Nothing is lost or rounded: the values, scales and so every product are IQ2_XS's.
+as fast (bench/README.md). Nothing is lost or rounded: the values, scales and each run's integer sum are IQ2_XS's.
+
+The values lie in a run-per-lane order (simd.PLANES_ORDER: each 4-byte lane of a 64-value step holds four values
+of one run of 16), so the integer dot sums a block's four steps into one vector and multiplies by the run scales
+once. The activations go into that order once per input (planes_order_i8 / planes_order_f32; for the integer
+dots quant_dispatch.int_ready), and a row's float sum groups the products by run: a row agrees with IQ2_XS's
+own dot to float rounding, not to the bit.
 
 The engine repacks IQ2_XS tensors at load (runtime/weights.py) where the CPU has AVX-512 VBMI and the result fits
 in RAM; the type never appears in a file.
