@@ -25,7 +25,7 @@ import numpy as np
 from .ggml_blocks import f16
 from .quant import register_type
 from .quant_iq import _IQ2XS_WORDS, _KSIGNS
-from .simd import (HAS_F16C, HAS_VBMI_BITALG, IQ2_XS_MAGNITUDES, PLANES_BYTES, PLANES_LEVELS, PLANES_ORDER,
+from .simd import (HAS_F16C, HAS_VBMI_BITALG, IQ2_XS_MAGNITUDES, PLANES_BYTES, PLANES_LEVELS, PLANES_POSITION,
                    PLANES_SCALES, PLANES_SIGNS, dequant_planes_block, fdot_planes_blocks, fdot_planes_row,
                    order_planes_f32, order_planes_i8)
 
@@ -38,8 +38,7 @@ AVAILABLE = HAS_VBMI_BITALG and HAS_F16C
 register_type(IQ2_XS_PLANES, "IQ2_XS_PLANES", _QK, PLANES_BYTES, act_block=_QK, in_files=False)
 
 _MAGNITUDES = np.array(IQ2_XS_MAGNITUDES + (0,), np.float32)
-# value v's position u in a block (simd.PLANES_ORDER[u] == v)
-_POSITION = np.argsort(np.array(PLANES_ORDER)).astype(np.int32)
+_POSITION = np.array(PLANES_POSITION, np.int32)  # value v's position u in a block (simd.PLANES_ORDER[u] == v)
 
 
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=False)

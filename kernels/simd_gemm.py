@@ -24,7 +24,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .simd import (_FL, _I8, _I32, _I64, HAS_VNNI, PLANES_SCALES, _array_1d, _byte_array, _data, _dpbusd,
-                   _iq2_xs_blocks, _load, _planes_blocks, _splat, _splat_f, _store)
+                   _iq2_xs_blocks, _load, _planes_blocks, _planes_in_value_order, _splat, _splat_f, _store)
 
 
 ROWS = 16  # rows per tile: one 512-bit vector of int32 lanes
@@ -334,20 +334,16 @@ def iq2_xs_codes256_pair(typingctx, grid, src_a, oa, dst_a, src_b, ob, dst_b):
 @intrinsic
 def planes_codes256(typingctx, src, o, dst, y):
     """dst[y:y + 256] = the codes 43 +- value of the IQ2_XS_PLANES block at src[o] in value order, as
-    iq2_xs_codes256 gives an IQ2_XS block's (simd._planes_blocks with an offset: two vpermb a step; each step's
-    four-value lanes stored where simd.PLANES_ORDER puts their values)."""
+    iq2_xs_codes256 gives an IQ2_XS block's (simd._planes_blocks with an offset: two vpermb a step; the steps
+    shuffled into value order, simd._planes_in_value_order)."""
     if not (_byte_array(src) and _byte_array(dst)):
         return None
 
     def codegen(context, builder, sig, args):
         src_v, o_v, dst_v, y_v = args
         block, = _planes_blocks(context, builder, None, None, [(sig.args[0], src_v, o_v)], 43)
-        for step in range(4):
-            codes = block(step)[0]
-            for run in range(16):
-                lanes = ir.Constant(ir.VectorType(_I32, 4), list(range(4 * run, 4 * run + 4)))
-                at = builder.add(y_v, ir.Constant(y_v.type, 16 * run + 4 * step))
-                _store(context, builder, sig.args[2], dst_v, at, builder.shuffle_vector(codes, codes, lanes))
+        for j, codes in enumerate(_planes_in_value_order(builder, [block(step)[0] for step in range(4)])):
+            _store(context, builder, sig.args[2], dst_v, builder.add(y_v, ir.Constant(y_v.type, 64 * j)), codes)
         return context.get_dummy_value()
     return types.none(src, o, dst, y), codegen
 
