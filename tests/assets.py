@@ -620,8 +620,9 @@ def hf_model(model_dir: Path):
 
     float64 because transformers' own float32 qwen3next result strays up to 1.2e-4 x max |logit| from
     its float64 one on the tiny 8-layer checkpoints (DeltaNet rounding, amplified by random layers),
-    more than the differences the parity bar allows most prompts (tests/parity.py). Its gated delta rule still runs in float32 inside (the library
-    casts there); the rest of the model is then exact enough to be the reference of record.
+    more than the differences the parity bar allows most prompts (tests/parity.py). Its gated delta rule still
+    runs in float32 inside (the library casts there); the rest of the model is then exact enough to be the
+    reference of record.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -646,18 +647,25 @@ def hf_greedy(model_dir: Path, prompt_ids: Sequence[int], n_new: int) -> list[in
 
     No end-of-sequence stop and no logits processors, so exactly `n_new` argmaxes come back.
     """
+    return hf_greedy_logits(model_dir, prompt_ids, n_new)[0]
+
+
+def hf_greedy_logits(model_dir: Path, prompt_ids: Sequence[int], n_new: int) -> tuple[list[int], np.ndarray]:
+    """hf_greedy's tokens, and the logits each was the argmax of (n_new x vocab, float64)."""
     import torch
 
     model = hf_model(Path(model_dir))
     ids = torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64))[None]
     generated: list[int] = []
+    rows: list[np.ndarray] = []
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True)
         for _ in range(n_new):
-            generated.append(int(out.logits[0, -1].argmax()))
+            rows.append(out.logits[0, -1].double().numpy())
+            generated.append(int(rows[-1].argmax()))
             if len(generated) < n_new:
                 out = model(input_ids=torch.tensor([[generated[-1]]]), cache=out.cache, use_cache=True)
-    return generated
+    return generated, np.stack(rows)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -98,9 +98,10 @@ def hf_reference_logits() -> Callable:
 
 
 @pytest.fixture(scope="session")
-def hf_greedy() -> Callable:
-    """hf_greedy(model_dir, prompt_ids, n_new) -> n_new greedy token ids from transformers (see assets)."""
-    return assets.hf_greedy
+def hf_greedy_logits() -> Callable:
+    """hf_greedy_logits(model_dir, prompt_ids, n_new) -> (n_new greedy token ids from transformers, the logits each
+    was the argmax of) (see assets)."""
+    return assets.hf_greedy_logits
 
 
 @pytest.fixture
