@@ -23,8 +23,8 @@ from .activations import swiglu_block
 from .grouped_codes import down_codes, gate_up_codes
 from .int_matmul import TokenCodes, quantize_tokens, use_codes
 from .quant import _check_weights, _format, activation_block, quantize_activations
-from .quant_dispatch import (INT_DOT_TYPES, ROW_TASK, _FASTMATH, dequant_row, float_dots, has_fused_dot, has_int_dot,
-                             int_dots, int_ready)
+from .quant_dispatch import (INT_DOT_TYPES, ROW_TASK, _FASTMATH, dequant_row, float_dots, float_ready, has_fused_dot,
+                             has_int_dot, int_dots, int_ready)
 from .quant_dot import block_sums32
 from .quant_int import q8_activations, quantize_q8_sums
 from .small_matmul import matmul_nt_regs
@@ -69,12 +69,12 @@ def add_scaled_rows(out: np.ndarray, rows: np.ndarray, y: np.ndarray, scale: np.
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
-def gate_up_float(tg, gate, tu, up, r0, r1, x, xsum32, scratch, h, u, weight):
-    """h[r] = weight * silu(gate row r . x) * (up row r . x) for r0 <= r < r1 of one expert (float dots; u: the
-    task's scratch for its up products, scratch: a row to decode into where a type has no fused dot). The
-    weight goes in here: down is linear."""
-    float_dots(tg, gate, r0, r1, x, xsum32, scratch, h, r0)
-    float_dots(tu, up, r0, r1, x, xsum32, scratch, u, 0)
+def gate_up_float(tg, gate, tu, up, r0, r1, xg, xu, xsum32, scratch, h, u, weight):
+    """h[r] = weight * silu(gate row r . x) * (up row r . x) for r0 <= r < r1 of one expert (float dots; x as
+    xg = float_ready(tg, x) and xu = float_ready(tu, x); u: the task's scratch for its up products, scratch: a
+    row to decode into where a type has no fused dot). The weight goes in here: down is linear."""
+    float_dots(tg, gate, r0, r1, xg, xsum32, scratch, h, r0)
+    float_dots(tu, up, r0, r1, xu, xsum32, scratch, u, 0)
     for r in range(r0, r1):
         g = h[r]
         h[r] = g / (np.float32(1.0) + np.exp(-g)) * u[r - r0] * weight
@@ -112,13 +112,15 @@ def _swiglu_experts(tg, gate, tu, up, td, down, x, ids, weights, out, workers):
     per_expert = (ffn + ROW_TASK - 1) // ROW_TASK
     u = np.empty((k * per_expert, ROW_TASK), np.float32)  # each task's up products
     fused = has_fused_dot(tg) and has_fused_dot(tu)
+    xg, xu = float_ready(tg, x), float_ready(tu, x)
     counter = task_counter()
     for worker in numba.prange(workers):  # runs of tasks from a counter (task_queue)
         for first, end in claimed_runs(counter, k * per_expert, workers, 1):
             for task in range(first, end):
                 j, r0, r1 = _task_rows(task, per_expert, ffn)
                 scratch = xsum32 if fused else np.empty(x.shape[0], np.float32)  # a row to decode into where not fused
-                gate_up_float(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, x, xsum32, scratch, h[j], u[task], weights[j])
+                gate_up_float(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, xg, xu, xsum32, scratch, h[j], u[task],
+                              weights[j])
     hsum32 = np.empty((k, max(1, ffn // 32)), np.float32)
     if ffn % 32 == 0:
         for j in range(k):
@@ -126,13 +128,14 @@ def _swiglu_experts(tg, gate, tu, up, td, down, x, ids, weights, out, workers):
     per_expert = (hidden + ROW_TASK - 1) // ROW_TASK
     y = np.empty((k, hidden), np.float32)
     fused = has_fused_dot(td)
+    hr = float_ready(td, h.reshape(-1)).reshape(k, ffn)  # planes order by blocks: each row's the same
     counter = task_counter()
     for worker in numba.prange(workers):  # runs of tasks from a counter (task_queue)
         for first, end in claimed_runs(counter, k * per_expert, workers, 1):
             for task in range(first, end):
                 j, r0, r1 = _task_rows(task, per_expert, hidden)
                 scratch = hsum32[j] if fused else np.empty(ffn, np.float32)
-                float_dots(td, down[ids[j]], r0, r1, h[j], hsum32[j], scratch, y[j], r0)
+                float_dots(td, down[ids[j]], r0, r1, hr[j], hsum32[j], scratch, y[j], r0)
     _add_experts(y, out)
 
 

@@ -26,7 +26,7 @@ import numpy as np
 from .activations import _sigmoid
 from .expert_pool import _add_experts, _task_rows, down_int, gate_up_float, gate_up_int
 from .quant import _check_weights, _format
-from .quant_dispatch import ROW_TASK, _FASTMATH, float_dots, has_fused_dot, has_int_dot, int_ready
+from .quant_dispatch import ROW_TASK, _FASTMATH, float_dots, float_ready, has_fused_dot, has_int_dot, int_ready
 from .quant_dot import block_sums32
 from .quant_float import BF16, F16, F32
 from .quant_int import q8_activations, quantize_q8_sums
@@ -69,6 +69,9 @@ def _moe_token(rt, router, it, gate_inp, normalize, tg, gate, tu, up, td, down, 
         sxq, sxd, sxs = _q8(x, blocks[2], quantized and sffn > 0)
     xg, xu = int_ready(tg, xq), int_ready(tu, xq)  # the codes in each type's order (empty: no blocks to order)
     sxg, sxu = int_ready(stg, sxq), int_ready(stu, sxq)
+    # float x in each type's order, where the float path runs (x itself for every type but the planes)
+    fg, fu = (x, x) if quantized else (float_ready(tg, x), float_ready(tu, x))
+    sfg, sfu = (x, x) if quantized or sffn == 0 else (float_ready(stg, x), float_ready(stu, x))
     scale = np.ones(1, np.float32)
     if sffn > 0 and gate_inp.shape[0] == 1:
         dot = np.empty(1, np.float32)
@@ -97,7 +100,7 @@ def _moe_token(rt, router, it, gate_inp, normalize, tg, gate, tu, up, td, down, 
                         gate_up_int(stg, sgate, stu, sup, r0, r1, sxg, sxu, sxd, sxs, sh, su[s])
                     else:
                         scratch = xsum32 if has_fused_dot(stg) and has_fused_dot(stu) else np.empty(hidden, np.float32)
-                        gate_up_float(stg, sgate, stu, sup, r0, r1, x, xsum32, scratch, sh, su[s], scale[0])
+                        gate_up_float(stg, sgate, stu, sup, r0, r1, sfg, sfu, xsum32, scratch, sh, su[s], scale[0])
 
     _softmax_topk(logits.reshape((1, n_experts)), normalize, np.empty(n_experts, np.float32),
                   ids.reshape((1, k)), weights.reshape((1, k)))
@@ -114,7 +117,7 @@ def _moe_token(rt, router, it, gate_inp, normalize, tg, gate, tu, up, td, down, 
                     gate_up_int(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, xg, xu, xd, xs, h[j], u[task])
                 else:
                     scratch = xsum32 if has_fused_dot(tg) and has_fused_dot(tu) else np.empty(hidden, np.float32)
-                    gate_up_float(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, x, xsum32, scratch, h[j], u[task],
+                    gate_up_float(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, fg, fu, xsum32, scratch, h[j], u[task],
                                   weights[j])
 
     # the down rows' activations: int8 blocks, or float sums per 32
@@ -132,6 +135,8 @@ def _moe_token(rt, router, it, gate_inp, normalize, tg, gate, tu, up, td, down, 
     shq, shd, shs = _q8(sh, blocks[3], quantized and sffn > 0)
     shq = int_ready(std, shq)
     shsum32 = _sums32(sh)
+    hr = h if quantized else float_ready(td, h.reshape(-1)).reshape(k, ffn)  # planes order by blocks
+    shr = sh if quantized or sffn == 0 else float_ready(std, sh)
 
     per_expert = (hidden + ROW_TASK - 1) // ROW_TASK
     n_shared = per_expert if sffn > 0 else 0
@@ -147,7 +152,7 @@ def _moe_token(rt, router, it, gate_inp, normalize, tg, gate, tu, up, td, down, 
                         down_int(td, down[ids[j]], r0, r1, hq[j], hd[j], hs[j], y[j], weights[j])
                     else:
                         scratch = hsum32[j] if has_fused_dot(td) else np.empty(ffn, np.float32)
-                        float_dots(td, down[ids[j]], r0, r1, h[j], hsum32[j], scratch, y[j], r0)
+                        float_dots(td, down[ids[j]], r0, r1, hr[j], hsum32[j], scratch, y[j], r0)
                 else:
                     r0 = (task - k * per_expert) * ROW_TASK
                     r1 = min(hidden, r0 + ROW_TASK)
@@ -155,7 +160,7 @@ def _moe_token(rt, router, it, gate_inp, normalize, tg, gate, tu, up, td, down, 
                         down_int(std, sdown, r0, r1, shq, shd, shs, sy, scale[0])
                     else:
                         scratch = shsum32 if has_fused_dot(std) else np.empty(sffn, np.float32)
-                        float_dots(std, sdown, r0, r1, sh, shsum32, scratch, sy, r0)
+                        float_dots(std, sdown, r0, r1, shr, shsum32, scratch, sy, r0)
     _add_experts(y, out)
     if sffn > 0:
         _add_experts(sy.reshape((1, hidden)), out)

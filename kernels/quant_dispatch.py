@@ -209,12 +209,22 @@ _rows_dot_iq2_xs = _float_rows(dot_iq2_xs)
 
 @numba.njit(nogil=True, fastmath=_FASTMATH)
 def _rows_dot_planes(w, r0, r1, x, xsum32, out, o0):
-    """_float_rows for IQ2_XS_PLANES, x put into the planes' value order once a call (quant_planes)."""
-    xo = planes_order_f32(x)
+    """_float_rows for IQ2_XS_PLANES: x in the planes' value order already (float_ready)."""
     ahead = rows_ahead(w)
     for r in range(r0, r1):
         prefetch_row(w, r, ahead)
-        out[o0 + r - r0] = dot_planes(w[r], xo)
+        out[o0 + r - r0] = dot_planes(w[r], x)
+
+
+@numba.njit(inline="always", nogil=True)
+def float_ready(t, x):
+    """float32 activations (1-D; whole 256-value blocks for IQ2_XS_PLANES) as float_dots takes them for type t:
+    in the planes' value order for IQ2_XS_PLANES (a new array, made once per input as int_ready's codes: ordered
+    in each call of rows, the MoE block's tasks had ordered x twice for every 16 rows), as they are for every
+    other type."""
+    if t == IQ2_XS_PLANES:
+        return planes_order_f32(x)
+    return x
 _rows_dot_iq2_xxs = _float_rows(dot_iq2_xxs)
 _rows_dot_iq3_xxs = _float_rows(dot_iq3_xxs)
 _rows_dot_iq2_s = _float_rows(dot_iq2_s)
@@ -240,7 +250,8 @@ def _decoded_rows(t, w, r0, r1, x, scratch, out, o0):
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def float_dots(t, w, r0, r1, x, xsum32, scratch, out, o0):
-    """out[o0 + r - r0] = row r of w times float32 x for r0 <= r < r1, each row's lines requested PREFETCH_BYTES
+    """out[o0 + r - r0] = row r of w times float32 x (as float_ready(t) gives it) for r0 <= r < r1, each row's
+    lines requested PREFETCH_BYTES
     ahead: fused block dots where the type has them (xsum32: x's per-32 sums, from block_sums32), else each row
     decoded into scratch (float32, a row long) and dotted. The type's branch is taken once a call, not once a
     row: with it inside the row loop (every type's dot inlined in one loop body) the integer dots ran 25-30%
@@ -309,11 +320,12 @@ def _matvec_rows(t, w, x, out, workers):
     if x.shape[0] % 32 == 0:
         block_sums32(x, xsum32)
     fused = has_fused_dot(t)
+    xr = float_ready(t, x)
     counter = task_counter()
     for worker in numba.prange(workers):
         scratch = xsum32 if fused else np.empty(x.shape[0], np.float32)  # an allocation only where it is used
         for r0, r1 in claimed_runs(counter, n_rows, workers, ROW_TASK):
-            float_dots(t, w, r0, r1, x, xsum32, scratch, out, r0)
+            float_dots(t, w, r0, r1, xr, xsum32, scratch, out, r0)
 
 
 # fastmath here too: inlined dots take the flags of the function they are compiled into.

@@ -11,9 +11,9 @@ as fast (bench/README.md). Nothing is lost or rounded: the values, scales and ea
 
 The values lie in a run-per-lane order (simd.PLANES_ORDER: each 4-byte lane of a 64-value step holds four values
 of one run of 16), so the integer dot sums a block's four steps into one vector and multiplies by the run scales
-once. The activations go into that order once per input (planes_order_i8 / planes_order_f32; for the integer
-dots quant_dispatch.int_ready), and a row's float sum groups the products by run: a row agrees with IQ2_XS's
-own dot to float rounding, not to the bit.
+once. The activations go into that order once per input (planes_order_i8 / planes_order_f32, called by
+quant_dispatch.int_ready / float_ready), and a row's float sum groups the products by run: a row agrees with
+IQ2_XS's own dot to float rounding, not to the bit.
 
 The engine repacks IQ2_XS tensors at load (runtime/weights.py) where the CPU has AVX-512 VBMI and the result fits
 in RAM; the type never appears in a file.
@@ -143,7 +143,7 @@ def planes_loop(src, x, xd):
 @numba.njit(inline="always", nogil=True)
 def planes_order_f32(x):
     """Float32 activations in the planes' value order (simd.PLANES_ORDER), as dot_planes takes them: a new array
-    where the vector dot runs, x itself for the portable one. Once a call of many rows."""
+    where the vector dot runs, x itself for the portable one (once per input: quant_dispatch.float_ready)."""
     if AVAILABLE:
         xo = np.empty(x.shape[0], np.float32)
         order_planes_f32(x, xo, x.shape[0] // _QK)
