@@ -251,12 +251,11 @@ def _decoded_rows(t, w, r0, r1, x, scratch, out, o0):
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def float_dots(t, w, r0, r1, x, xsum32, scratch, out, o0):
     """out[o0 + r - r0] = row r of w times float32 x (as float_ready(t) gives it) for r0 <= r < r1, each row's
-    lines requested PREFETCH_BYTES
-    ahead: fused block dots where the type has them (xsum32: x's per-32 sums, from block_sums32), else each row
-    decoded into scratch (float32, a row long) and dotted. The type's branch is taken once a call, not once a
-    row: with it inside the row loop (every type's dot inlined in one loop body) the integer dots ran 25-30%
-    slower. Every row dot takes (src, x, xsum32), the integer ones (src, xq, xd, xs16), used or not: Numba's
-    inlining binds each branch's call to its function."""
+    lines requested PREFETCH_BYTES ahead: fused block dots where the type has them (xsum32: x's per-32 sums, from
+    block_sums32), else each row decoded into scratch (float32, a row long) and dotted. The type's branch is taken
+    once a call, not once a row: with it inside the row loop (every type's dot inlined in one loop body) the integer
+    dots ran 25-30% slower. Every row dot takes (src, x, xsum32), the integer ones (src, xq, xd, xs16), used or not:
+    Numba's inlining binds each branch's call to its function."""
     if t == Q4_K:
         _rows_dot_q4_k(w, r0, r1, x, xsum32, out, o0)
     elif t == Q6_K:
