@@ -115,12 +115,16 @@ def dequant_rows_serial(t, w, out):
 # Q4_K matrix 20.1 -> 25.7 GB/s, where both requests together read 21.6-21.7 (Q6_K) and 4 KiB ahead into L1
 # 19.2-21.6 (alternating processes). (An earlier Xeon, reading 12-13 GB/s at best, had gained from the L2 requests
 # over none: 9.7 -> 12-13 GB/s; L1 requests 2 KiB ahead were not tried there.) A row longer than a page is not
-# requested on AMD: the hardware prefetchers stream a run of whole pages by themselves, and the row's 68+ requests at
-# once (Q8_0, 4096 values) hold up the loads. Zen 4 (2 vCPUs), 2 threads, the matrices in a file mapping (16 copies
-# cycled; the head alone), the two loops alternating call by call, median time ratio requests / none over 15 pairs
-# (240 for the head): Q8_0 4096 x 4096 1.31, Q6_K 4096 x 4096 1.22, Q4_K 4096 x 4096 1.04, Q8_0 1024 x 8192 1.64,
-# Q4_K 1024 x 8192 1.40, F32 512 x 2048 (the router) 1.18; quantized rows of 2048 values went either way (Q8_0
-# 12288 x 2048 1.19, Q4_K 0.95, the Q6_K head 0.82 and 1.02 in two runs, the Q8_0 head 1.02): they keep theirs.
+# requested on either: the hardware prefetchers stream a run of whole pages by themselves, and the row's 68+ requests
+# at once (Q8_0, 4096 values) hold up the loads. On the Xeon (AVX-512 VBMI, 480 MiB L3), 2 threads, matrices on huge
+# pages read from RAM (a 1 GiB read before each call), the next row into L1 against none, alternating, median time
+# ratio requests / none in two runs: the F32 router 512 x 2048 (8 KiB rows, 24 copies, 192 pairs) 1.063 and 1.094,
+# Q8_0 4096 x 4096 (8 copies, 64 pairs) 1.059 and 1.077. Zen 4 (2 vCPUs), 2 threads, the matrices in a file
+# mapping (16 copies cycled; the head alone), the two loops alternating call by call, median time ratio requests /
+# none over 15 pairs (240 for the head): Q8_0 4096 x 4096 1.31, Q6_K 4096 x 4096 1.22, Q4_K 4096 x 4096 1.04, Q8_0
+# 1024 x 8192 1.64, Q4_K 1024 x 8192 1.40, F32 512 x 2048 (the router) 1.18; quantized rows of 2048 values went
+# either way (Q8_0 12288 x 2048 1.19, Q4_K 0.95, the Q6_K head 0.82 and 1.02 in two runs, the Q8_0 head 1.02): they
+# keep theirs.
 PREFETCH_BYTES = 32768
 PREFETCH_MAX_ROW_BYTES = 4096
 L1_PREFETCH_BYTES = 2048
@@ -133,14 +137,14 @@ ROW_TASK = 16
 @numba.njit(inline="always", nogil=True)
 def rows_ahead(w):
     """How many rows ahead prefetch_row requests in w (uint8 [rows, row bytes]): the row L1_PREFETCH_BYTES on
-    on Intel cores, the row PREFETCH_BYTES on elsewhere, or 0 (none) where a row is longer than a page there.
+    where the cores are Intel's, the row PREFETCH_BYTES on elsewhere, or 0 (none) where a row is longer than a page.
     Worked out once a call, before the row loop: written inside it, the division stayed there, one a row (planes
     rows of 512 values from the cache, one thread: 1.03x as fast out of the loop, 1.01x for rows of 2048)."""
+    if w.shape[1] > PREFETCH_MAX_ROW_BYTES:
+        return 0
     if ROWS_INTO_L1:
         return max(1, L1_PREFETCH_BYTES // w.shape[1])
-    if w.shape[1] <= PREFETCH_MAX_ROW_BYTES:
-        return max(1, PREFETCH_BYTES // w.shape[1])
-    return 0
+    return max(1, PREFETCH_BYTES // w.shape[1])
 
 
 @numba.njit(inline="always", nogil=True)
