@@ -28,7 +28,7 @@ from .quant_dispatch import (INT_DOT_TYPES, ROW_TASK, _FASTMATH, dequant_row, fl
 from .quant_dot import block_sums32
 from .quant_int import q8_activations, quantize_q8_sums
 from .small_matmul import matmul_nt_regs
-from .task_queue import claimed_runs, task_counter
+from .task_queue import claimed_runs, expert_unit, task_counter
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
@@ -115,7 +115,7 @@ def _swiglu_experts(tg, gate, tu, up, td, down, x, ids, weights, out, workers):
     xg, xu = float_ready(tg, x), float_ready(tu, x)
     counter = task_counter()
     for worker in numba.prange(workers):  # runs of tasks from a counter (task_queue)
-        for first, end in claimed_runs(counter, k * per_expert, workers, 1):
+        for first, end in claimed_runs(counter, k * per_expert, workers, expert_unit(per_expert, k, workers)):
             for task in range(first, end):
                 j, r0, r1 = _task_rows(task, per_expert, ffn)
                 scratch = xsum32 if fused else np.empty(x.shape[0], np.float32)  # a row to decode into where not fused
@@ -131,7 +131,7 @@ def _swiglu_experts(tg, gate, tu, up, td, down, x, ids, weights, out, workers):
     hr = float_ready(td, h.reshape(-1)).reshape(k, ffn)  # planes order by blocks: each row's the same
     counter = task_counter()
     for worker in numba.prange(workers):  # runs of tasks from a counter (task_queue)
-        for first, end in claimed_runs(counter, k * per_expert, workers, 1):
+        for first, end in claimed_runs(counter, k * per_expert, workers, expert_unit(per_expert, k, workers)):
             for task in range(first, end):
                 j, r0, r1 = _task_rows(task, per_expert, hidden)
                 scratch = hsum32[j] if fused else np.empty(ffn, np.float32)
@@ -153,7 +153,7 @@ def _swiglu_experts_int(tg, gate, tu, up, td, down, x, x_block, h_block, ids, we
     u = np.empty((k * per_expert, ROW_TASK), np.float32)  # each task's up products
     counter = task_counter()
     for worker in numba.prange(workers):  # runs of tasks from a counter (task_queue)
-        for first, end in claimed_runs(counter, k * per_expert, workers, 1):
+        for first, end in claimed_runs(counter, k * per_expert, workers, expert_unit(per_expert, k, workers)):
             for task in range(first, end):
                 j, r0, r1 = _task_rows(task, per_expert, ffn)
                 gate_up_int(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, xg, xu, xd, xs, h[j], u[task])
@@ -167,7 +167,7 @@ def _swiglu_experts_int(tg, gate, tu, up, td, down, x, x_block, h_block, ids, we
     y = np.empty((k, hidden), np.float32)
     counter = task_counter()
     for worker in numba.prange(workers):  # runs of tasks from a counter (task_queue)
-        for first, end in claimed_runs(counter, k * per_expert, workers, 1):
+        for first, end in claimed_runs(counter, k * per_expert, workers, expert_unit(per_expert, k, workers)):
             for task in range(first, end):
                 j, r0, r1 = _task_rows(task, per_expert, hidden)
                 down_int(td, down[ids[j]], r0, r1, hq[j], hd[j], hs[j], y[j], weights[j])

@@ -31,7 +31,7 @@ from .quant_dot import block_sums32
 from .quant_float import BF16, F16, F32
 from .quant_int import q8_activations, quantize_q8_sums
 from .routing import _softmax_topk
-from .task_queue import claimed_runs, task_counter, worker_count
+from .task_queue import claimed_runs, expert_unit, task_counter, worker_count
 
 FLOAT_TYPES = frozenset({F32, F16, BF16})
 
@@ -110,7 +110,7 @@ def _moe_token(rt, router, it, gate_inp, normalize, tg, gate, tu, up, td, down, 
     u = np.empty((k * per_expert, ROW_TASK), np.float32)
     counter = task_counter()
     for worker in numba.prange(workers):  # runs of tasks from a counter (task_queue)
-        for first, end in claimed_runs(counter, k * per_expert, workers, 1):
+        for first, end in claimed_runs(counter, k * per_expert, workers, expert_unit(per_expert, k, workers)):
             for task in range(first, end):
                 j, r0, r1 = _task_rows(task, per_expert, ffn)
                 if quantized:
@@ -144,7 +144,8 @@ def _moe_token(rt, router, it, gate_inp, normalize, tg, gate, tu, up, td, down, 
     sy = np.empty(hidden, np.float32)
     counter = task_counter()
     for worker in numba.prange(workers):  # runs of tasks from a counter (task_queue)
-        for first, end in claimed_runs(counter, k * per_expert + n_shared, workers, 1):
+        for first, end in claimed_runs(counter, k * per_expert + n_shared, workers,
+                                       expert_unit(per_expert, k + (n_shared > 0), workers)):
             for task in range(first, end):
                 if task < k * per_expert:
                     j, r0, r1 = _task_rows(task, per_expert, hidden)

@@ -12,8 +12,8 @@ from strata_async.kernels.deltanet import gated_delta_rule_chunked
 from strata_async.kernels.grouped_codes import _down_codes, _gate_up_codes
 from strata_async.kernels.int_matmul import _matmul_codes, quantize_tokens
 from strata_async.kernels.quant_dispatch import matvec_int, matvec_int_serial
-from strata_async.kernels.task_queue import (CLAIMS_PER_WORKER, claim_size, claimed_runs, fetch_add, next_task,
-                                             task_counter, worker_count)
+from strata_async.kernels.task_queue import (CLAIMS_PER_WORKER, EXPERT_CLAIMS_PER_WORKER, claim_size, claimed_runs,
+                                             expert_unit, fetch_add, next_task, task_counter, worker_count)
 
 from test_kernels_int_matmul import random_activations, random_rows
 
@@ -92,6 +92,20 @@ def test_claim_size(unit, workers):
         assert -(-n // per) <= workers * CLAIMS_PER_WORKER  # no more claims than asked for
         if per > unit:  # claims no larger than needed for that many
             assert -(-n // (per - unit)) > workers * CLAIMS_PER_WORKER
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 16])
+def test_expert_claims(workers):
+    for k in (1, 4, 8, 10, 11, 64):
+        for per_expert in (1, 32, 40, 128):
+            n = k * per_expert
+            unit = expert_unit(per_expert, k, workers)
+            per = claim_size(n, workers, unit)
+            if k >= EXPERT_CLAIMS_PER_WORKER * workers:  # whole experts: no claim splits one
+                assert unit == per_expert and per % per_expert == 0
+            else:  # shares of experts, enough claims for every worker
+                assert 1 <= unit <= per_expert
+                assert -(-n // per) >= min(n, EXPERT_CLAIMS_PER_WORKER * workers)
 
 
 @pytest.fixture
