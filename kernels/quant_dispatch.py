@@ -209,6 +209,18 @@ _rows_dot_q4_1 = _float_rows(dot_q4_1)
 _rows_dot_q5_0 = _float_rows(dot_q5_0)
 _rows_dot_q5_1 = _float_rows(dot_q5_1)
 _rows_dot_iq2_xs = _float_rows(dot_iq2_xs)
+_rows_dot_iq2_xxs = _float_rows(dot_iq2_xxs)
+_rows_dot_iq3_xxs = _float_rows(dot_iq3_xxs)
+_rows_dot_iq2_s = _float_rows(dot_iq2_s)
+_rows_dot_iq3_s = _float_rows(dot_iq3_s)
+_rows_dot_iq1_s = _float_rows(dot_iq1_s)
+_rows_dot_iq1_m = _float_rows(dot_iq1_m)
+_rows_dot_q2_k = _float_rows(dot_q2_k)
+_rows_dot_q2_0 = _float_rows(dot_q2_0)
+_rows__f32_dot = _float_rows(_f32_dot)
+_rows_dot_f16 = _float_rows(dot_f16)
+_rows_dot_bf16 = _float_rows(dot_bf16)
+_rows_dot_q8_0 = _float_rows(dot_q8_0)
 
 
 @numba.njit(nogil=True, fastmath=_FASTMATH)
@@ -229,18 +241,6 @@ def float_ready(t, x):
     if t == IQ2_XS_PLANES:
         return planes_order_f32(x)
     return x
-_rows_dot_iq2_xxs = _float_rows(dot_iq2_xxs)
-_rows_dot_iq3_xxs = _float_rows(dot_iq3_xxs)
-_rows_dot_iq2_s = _float_rows(dot_iq2_s)
-_rows_dot_iq3_s = _float_rows(dot_iq3_s)
-_rows_dot_iq1_s = _float_rows(dot_iq1_s)
-_rows_dot_iq1_m = _float_rows(dot_iq1_m)
-_rows_dot_q2_k = _float_rows(dot_q2_k)
-_rows_dot_q2_0 = _float_rows(dot_q2_0)
-_rows__f32_dot = _float_rows(_f32_dot)
-_rows_dot_f16 = _float_rows(dot_f16)
-_rows_dot_bf16 = _float_rows(dot_bf16)
-_rows_dot_q8_0 = _float_rows(dot_q8_0)
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
@@ -395,6 +395,15 @@ _rows_idot_q4_1 = _int_rows(idot_q4_1)
 _rows_idot_q5_0 = _int_rows(idot_q5_0)
 _rows_idot_q5_1 = _int_rows(idot_q5_1)
 _rows_idot_iq2_xs = _int_rows(idot_iq2_xs)
+_rows_idot_iq2_xxs = _int_rows(idot_iq2_xxs)
+_rows_idot_iq3_xxs = _int_rows(idot_iq3_xxs)
+_rows_idot_iq2_s = _int_rows(idot_iq2_s)
+_rows_idot_iq3_s = _int_rows(idot_iq3_s)
+_rows_idot_iq1_s = _int_rows(idot_iq1_s)
+_rows_idot_iq1_m = _int_rows(idot_iq1_m)
+_rows_idot_q2_k = _int_rows(idot_q2_k)
+_rows_idot_q2_0 = _int_rows(idot_q2_0)
+_rows_idot_q8_0 = _int_rows(idot_q8_0)
 
 
 @numba.njit(nogil=True, fastmath=_FASTMATH)
@@ -415,15 +424,6 @@ def int_ready(t, xq):
     if t == IQ2_XS_PLANES:
         return planes_order_i8(xq)
     return xq
-_rows_idot_iq2_xxs = _int_rows(idot_iq2_xxs)
-_rows_idot_iq3_xxs = _int_rows(idot_iq3_xxs)
-_rows_idot_iq2_s = _int_rows(idot_iq2_s)
-_rows_idot_iq3_s = _int_rows(idot_iq3_s)
-_rows_idot_iq1_s = _int_rows(idot_iq1_s)
-_rows_idot_iq1_m = _int_rows(idot_iq1_m)
-_rows_idot_q2_k = _int_rows(idot_q2_k)
-_rows_idot_q2_0 = _int_rows(idot_q2_0)
-_rows_idot_q8_0 = _int_rows(idot_q8_0)
 
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
