@@ -122,11 +122,13 @@ def dequant_rows_serial(t, w, out):
 # Q8_0 4096 x 4096 (8 copies, 64 pairs) 1.059 and 1.077. Zen 4 (2 vCPUs), 2 threads, the matrices in a file
 # mapping (16 copies cycled; the head alone), the two loops alternating call by call, median time ratio requests /
 # none over 15 pairs (240 for the head): Q8_0 4096 x 4096 1.31, Q6_K 4096 x 4096 1.22, Q4_K 4096 x 4096 1.04, Q8_0
-# 1024 x 8192 1.64, Q4_K 1024 x 8192 1.40, F32 512 x 2048 (the router) 1.18; quantized rows of 2048 values went
-# either way (Q8_0 12288 x 2048 1.19, Q4_K 0.95, the Q6_K head 0.82 and 1.02 in two runs, the Q8_0 head 1.02): they
-# keep theirs.
+# 1024 x 8192 1.64, Q4_K 1024 x 8192 1.40, F32 512 x 2048 (the router) 1.18; rows of 2048 values went either way
+# (Q8_0 12288 x 2048 1.19, Q4_K 0.95, the Q6_K head 0.82 and 1.02 in two runs, the Q8_0 head 1.02). So on Zen 4
+# only rows of up to 2 KiB keep their requests (the Q6_K head's 1680 bytes, Q4_K's 1152, the planes' 848): later,
+# with the memory reading 45 GB/s, the Q8_0 head (2176-byte rows, 331 MB) from RAM took 7.7-8.4 ms without them
+# against 8.7-12.6 ms with them (median time ratio 0.75-0.79 over 6 alternating process pairs).
 PREFETCH_BYTES = 32768
-PREFETCH_MAX_ROW_BYTES = 4096
+PREFETCH_MAX_ROW_BYTES = 4096 if IS_INTEL else 2048
 L1_PREFETCH_BYTES = 2048
 ROWS_INTO_L1 = IS_INTEL
 # Rows per task of the expert pools and the fused MoE block (float_dots / int_dots take a task's rows in one call),
@@ -137,9 +139,10 @@ ROW_TASK = 16
 @numba.njit(inline="always", nogil=True)
 def rows_ahead(w):
     """How many rows ahead prefetch_row requests in w (uint8 [rows, row bytes]): the row L1_PREFETCH_BYTES on
-    where the cores are Intel's, the row PREFETCH_BYTES on elsewhere, or 0 (none) where a row is longer than a page.
-    Worked out once a call, before the row loop: written inside it, the division stayed there, one a row (planes
-    rows of 512 values from the cache, one thread: 1.03x as fast out of the loop, 1.01x for rows of 2048)."""
+    where the cores are Intel's, the row PREFETCH_BYTES on elsewhere, or 0 (none) where a row is longer than
+    PREFETCH_MAX_ROW_BYTES (a page on Intel cores, 2 KiB elsewhere). Worked out once a call, before the row loop:
+    written inside it, the division stayed there, one a row (planes rows of 512 values from the cache, one thread:
+    1.03x as fast out of the loop, 1.01x for rows of 2048)."""
     if w.shape[1] > PREFETCH_MAX_ROW_BYTES:
         return 0
     if ROWS_INTO_L1:
