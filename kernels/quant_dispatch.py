@@ -20,7 +20,7 @@ from .quant_legacy import (Q2_0, Q4_0, Q4_1, Q5_0, Q5_1, dequant_q2_0, dequant_q
 from .quant_dot import block_sums32, dot_q4_k, dot_q5_k, dot_q6_k, dot_q8_0
 from .quant_int import (idot_iq4_nl, idot_iq4_xs, idot_mxfp4, idot_q2_0, idot_q2_k, idot_q3_k, idot_q4_0, idot_q4_1,
                         idot_q4_k, idot_q5_0, idot_q5_1, idot_q5_k, idot_q6_k, idot_q8_0, q8_activations)
-from .simd import IS_INTEL, fdot_f32_64, prefetch, prefetch_l2
+from .simd import IS_INTEL, fdot_f32_64, prefetch
 from .quant_nl import (IQ4_NL, IQ4_XS, MXFP4, dequant_iq4_nl, dequant_iq4_xs, dequant_mxfp4, dot_iq4_nl,
                        dot_iq4_xs, dot_mxfp4)
 from .quant_planes import (IQ2_XS_PLANES, dequant_planes, dot_planes, idot_planes, planes_order_f32,
@@ -106,31 +106,26 @@ def dequant_rows_serial(t, w, out):
         dequant_row(t, w[r], out[r])
 
 
-# Bytes ahead whose rows a matrix-vector loop requests before it dots the current row. The hardware prefetchers
-# stop at every 4 KiB page (the file is mapped in 4 KiB pages), so a stream of rows from RAM stalls at each page
-# start. Which request pays depends on the core. AMD (Zen 4): into L2 (simd.prefetch_l2), about one 16-row task
-# ahead: the output head (Q6_K, 255 MB) on 2 threads in 7.2-8.9 ms, against 8.7-11.9 ms asking into L1 for the row
-# 4 ahead. Intel (a Xeon with AVX-512, 2 cores reading 33 GB/s): the row ~2 KiB ahead (the next one of the head)
-# into L1 (simd.prefetch): the head matrix alone from RAM on 2 threads 23.6-24.1 -> 25.0-28.3 GB/s, a 100000 x 2048
-# Q4_K matrix 20.1 -> 25.7 GB/s, where both requests together read 21.6-21.7 (Q6_K) and 4 KiB ahead into L1
-# 19.2-21.6 (alternating processes). (An earlier Xeon, reading 12-13 GB/s at best, had gained from the L2 requests
-# over none: 9.7 -> 12-13 GB/s; L1 requests 2 KiB ahead were not tried there.) A row longer than a page is not
-# requested on either: the hardware prefetchers stream a run of whole pages by themselves, and the row's 68+ requests
-# at once (Q8_0, 4096 values) hold up the loads. On the Xeon (AVX-512 VBMI, 480 MiB L3), 2 threads, matrices on huge
-# pages read from RAM (a 1 GiB read before each call), the next row into L1 against none, alternating, median time
-# ratio requests / none in two runs: the F32 router 512 x 2048 (8 KiB rows, 24 copies, 192 pairs) 1.063 and 1.094,
-# Q8_0 4096 x 4096 (8 copies, 64 pairs) 1.059 and 1.077. Zen 4 (2 vCPUs), 2 threads, the matrices in a file
-# mapping (16 copies cycled; the head alone), the two loops alternating call by call, median time ratio requests /
-# none over 15 pairs (240 for the head): Q8_0 4096 x 4096 1.31, Q6_K 4096 x 4096 1.22, Q4_K 4096 x 4096 1.04, Q8_0
-# 1024 x 8192 1.64, Q4_K 1024 x 8192 1.40, F32 512 x 2048 (the router) 1.18; rows of 2048 values went either way
-# (Q8_0 12288 x 2048 1.19, Q4_K 0.95, the Q6_K head 0.82 and 1.02 in two runs, the Q8_0 head 1.02). So on Zen 4
-# only rows of up to 2 KiB keep their requests (the Q6_K head's 1680 bytes, Q4_K's 1152, the planes' 848): later,
-# with the memory reading 45 GB/s, the Q8_0 head (2176-byte rows, 331 MB) from RAM took 7.7-8.4 ms without them
-# against 8.7-12.6 ms with them (median time ratio 0.75-0.79 over 6 alternating process pairs).
-PREFETCH_BYTES = 32768
-PREFETCH_MAX_ROW_BYTES = 4096 if IS_INTEL else 2048
+# Rows a matrix-vector loop requests ahead of the one it dots, on Intel cores only. The hardware prefetchers stop at
+# every 4 KiB page, so a stream of rows from RAM can stall at each page start. Intel (a Xeon with AVX-512, 2 cores
+# reading 33 GB/s): the row ~2 KiB ahead (the next one of the head) into L1 (simd.prefetch): the head matrix alone
+# from RAM on 2 threads 23.6-24.1 -> 25.0-28.3 GB/s, a 100000 x 2048 Q4_K matrix 20.1 -> 25.7 GB/s, where requests
+# into L2 as well read 21.6-21.7 (Q6_K) and 4 KiB ahead into L1 19.2-21.6 (alternating processes). A row longer than
+# a page is not requested: the row's 68+ requests at once (Q8_0, 4096 values) hold up the loads. On a Xeon with
+# AVX-512 VBMI (480 MiB L3), 2 threads, matrices on huge pages read from RAM (a 1 GiB read before each call), the
+# next row into L1 against none, alternating, median time ratio requests / none in two runs: the F32 router
+# 512 x 2048 (8 KiB rows, 192 pairs) 1.063 and 1.094, Q8_0 4096 x 4096 (64 pairs) 1.059 and 1.077.
+# AMD (Zen 4, 2 vCPUs) requests nothing. Requests into L2 about 32 KiB ahead had been measured there with the memory
+# at 30-37 GB/s, the matrices in a file mapping, median time ratio requests / none: rows longer than 2 KiB slower
+# (Q8_0 4096 x 4096 1.31, Q6_K 4096 x 4096 1.22, Q4_K 4096 x 4096 1.04, Q8_0 12288 x 2048 1.19, the router 1.18),
+# rows of 2048 values either way (Q4_K 12288 x 2048 0.95, the Q6_K head 0.82 and 1.02). With the memory at 35-70
+# GB/s, alternating processes, none was faster for every size: the Q8_0 head (2176-byte rows) 0.75-0.79 (6 pairs),
+# the Q6_K head (1680) 0.86-0.92 (18 pairs), a Q4_K matrix of the head's shape (1152) 0.90-0.91 (8 pairs), the
+# fused IQ2_XS MoE block (planes rows of 848 and 212 bytes) 0.94-0.95 (10 pairs); and IQ2_XS decode rounds,
+# alternating, each step against a read of its bytes: 72.1%, 73.2%, 75.0% without the requests, 69.4%, 69.5% with.
+ROWS_REQUESTED = IS_INTEL
 L1_PREFETCH_BYTES = 2048
-ROWS_INTO_L1 = IS_INTEL
+PREFETCH_MAX_ROW_BYTES = 4096
 # Rows per task of the expert pools and the fused MoE block (float_dots / int_dots take a task's rows in one call),
 # and the unit of a matrix-vector product's runs of rows (task_queue.claimed_runs).
 ROW_TASK = 16
@@ -139,26 +134,19 @@ ROW_TASK = 16
 @numba.njit(inline="always", nogil=True)
 def rows_ahead(w):
     """How many rows ahead prefetch_row requests in w (uint8 [rows, row bytes]): the row L1_PREFETCH_BYTES on
-    where the cores are Intel's, the row PREFETCH_BYTES on elsewhere, or 0 (none) where a row is longer than
-    PREFETCH_MAX_ROW_BYTES (a page on Intel cores, 2 KiB elsewhere). Worked out once a call, before the row loop:
-    written inside it, the division stayed there, one a row (planes rows of 512 values from the cache, one thread:
-    1.03x as fast out of the loop, 1.01x for rows of 2048)."""
-    if w.shape[1] > PREFETCH_MAX_ROW_BYTES:
+    where the cores are Intel's, or 0 (none) where a row is longer than a page or the cores are not Intel's.
+    Worked out once a call, before the row loop: written inside it, the division stayed there, one a row (planes
+    rows of 512 values from the cache, one thread: 1.03x as fast out of the loop, 1.01x for rows of 2048)."""
+    if not ROWS_REQUESTED or w.shape[1] > PREFETCH_MAX_ROW_BYTES:
         return 0
-    if ROWS_INTO_L1:
-        return max(1, L1_PREFETCH_BYTES // w.shape[1])
-    return max(1, PREFETCH_BYTES // w.shape[1])
+    return max(1, L1_PREFETCH_BYTES // w.shape[1])
 
 
 @numba.njit(inline="always", nogil=True)
 def prefetch_row(w, r, ahead):
-    """Request row r + ahead of w (ahead from rows_ahead; 0: none) if there is one: into L1 on Intel cores, into
-    L2 elsewhere."""
+    """Request row r + ahead of w into L1 (ahead from rows_ahead; 0: none) if there is one."""
     if ahead > 0 and r + ahead < w.shape[0]:
-        if ROWS_INTO_L1:
-            prefetch(w[r + ahead], 0, w.shape[1])
-        else:
-            prefetch_l2(w[r + ahead], 0, w.shape[1])
+        prefetch(w[r + ahead], 0, w.shape[1])
 
 
 @numba.njit(nogil=True, inline="always", fastmath=_FASTMATH)
@@ -187,8 +175,8 @@ def _f32_dot(src, x, xsum32):
 
 
 def _float_rows(dot):
-    """rows(w, r0, r1, x, xsum32, out, o0): out[o0 + r - r0] = dot(row r of w, x, xsum32) for r0 <= r < r1, each
-    row's lines requested PREFETCH_BYTES ahead. A function of its own for each type, called (not inlined) from
+    """rows(w, r0, r1, x, xsum32, out, o0): out[o0 + r - r0] = dot(row r of w, x, xsum32) for r0 <= r < r1, rows
+    requested ahead as rows_ahead says. A function of its own for each type, called (not inlined) from
     float_dots: inlined, every type's row loop landed in every kernel that dispatches on the type (the fused MoE
     block has several such calls), and Numba's passes over those kernels grew to minutes."""
     @numba.njit(nogil=True, fastmath=_FASTMATH)
@@ -257,8 +245,8 @@ def _decoded_rows(t, w, r0, r1, x, scratch, out, o0):
 
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def float_dots(t, w, r0, r1, x, xsum32, scratch, out, o0):
-    """out[o0 + r - r0] = row r of w times float32 x (as float_ready(t) gives it) for r0 <= r < r1, each row's
-    lines requested PREFETCH_BYTES ahead: fused block dots where the type has them (xsum32: x's per-32 sums, from
+    """out[o0 + r - r0] = row r of w times float32 x (as float_ready(t) gives it) for r0 <= r < r1, rows requested
+    ahead as rows_ahead says: fused block dots where the type has them (xsum32: x's per-32 sums, from
     block_sums32), else each row decoded into scratch (float32, a row long) and dotted. The type's branch is taken
     once a call, not once a row: with it inside the row loop (every type's dot inlined in one loop body) the integer
     dots ran 25-30% slower. Every row dot takes (src, x, xsum32), the integer ones (src, xq, xd, xs16), used or not:
@@ -432,8 +420,8 @@ def int_ready(t, xq):
 @numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
 def int_dots(t, w, r0, r1, xq, xd, xs16, out, o0):
     """out[o0 + r - r0] = row r of w (a has_int_dot type) times quantized activations (xq codes as int_ready(t)
-    gives them, xd block scales, xs16 the codes' 16-sums) for r0 <= r < r1, each row's lines requested
-    PREFETCH_BYTES ahead; the type's branch taken once a call (see float_dots)."""
+    gives them, xd block scales, xs16 the codes' 16-sums) for r0 <= r < r1, rows requested ahead as
+    rows_ahead says; the type's branch taken once a call (see float_dots)."""
     if t == Q4_K:
         _rows_idot_q4_k(w, r0, r1, xq, xd, xs16, out, o0)
     elif t == Q6_K:

@@ -2522,8 +2522,8 @@ def _prefetcher(locality: int):
 # The hardware prefetchers stop at each 4 KiB page, so the rows a kernel reaches next are requested ahead. The
 # kernels ask into L2 (prefetch_l2): into L1 the requests outnumber its line-fill buffers and stall the kernels'
 # own loads (grouped Q8_0 down, 512 experts x 10 tokens: tile decode from RAM 0.19 ns per weight per thread
-# asking into L1, 0.094 into L2, 0.046 in cache; the Q6_K output head 8.7-11.9 -> 7.2-8.9 ms). prefetch (into
-# L1) is bench_kernels' bandwidth pass.
+# asking into L1, 0.094 into L2, 0.046 in cache). The matrix-vector row loops ask into L1 on Intel cores and not at
+# all on AMD ones (quant_dispatch.rows_ahead).
 prefetch = _prefetcher(3)
 prefetch_l2 = _prefetcher(2)
 
