@@ -150,6 +150,44 @@ def matvec(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool = False
     return out
 
 
+def _read_only(w: np.ndarray) -> np.ndarray:
+    if not w.flags.writeable:
+        return w
+    v = w.view()
+    v.flags.writeable = False
+    return v
+
+
+def matvecs(weights: list[tuple[np.ndarray, int]], x: np.ndarray, act_quant: bool = False) -> list[np.ndarray]:
+    """[matvec(w, t, x, act_quant) for w, t in weights], the same results, with the matrices of one type in one
+    parallel region (quant_dispatch.matvecs_int / matvecs): a DeltaNet layer's input projections, an attention
+    layer's q, k and v."""
+    if x.ndim != 1:
+        raise ValueError(f"matvecs takes a 1-D activation vector, got shape {x.shape}")
+    x = np.ascontiguousarray(x, np.float32)
+    groups: dict[tuple, list[int]] = {}
+    for i, (w, t) in enumerate(weights):
+        _check_weights(w, _format(t), x.shape[0])
+        # One compiled tuple type per group: Numba types an array by its layout too.
+        groups.setdefault((t, w.dtype, w.ndim, w.flags.c_contiguous), []).append(i)
+    outs: list[np.ndarray] = [None] * len(weights)  # type: ignore[list-item]
+    for (t, *_), idx in groups.items():
+        ws = tuple(_read_only(weights[i][0]) for i in idx)  # and by its writability (copied weights or mapped)
+        if len(ws) == 1 or sum(w.nbytes for w in ws) <= _SERIAL_MATVEC_BYTES:
+            for i in idx:
+                outs[i] = matvec(weights[i][0], t, x, act_quant)
+            continue
+        rows = [w.shape[0] for w in ws]
+        out = np.empty(sum(rows), np.float32)
+        if act_quant and quant_dispatch.has_int_dot(t):
+            quant_dispatch.matvecs_int(t, ws, x, _format(t).act_block, out, 0)
+        else:
+            quant_dispatch.matvecs(t, ws, quantize_activations(x, t) if act_quant else x, out, 0)
+        for i, part in zip(idx, np.split(out, np.cumsum(rows)[:-1])):
+            outs[i] = part
+    return outs
+
+
 def matmul(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool = False,
            codes: dict | None = None) -> np.ndarray:
     """Y = X @ W.T for X [n, k] float32 and W given as rows of ggml blocks; returns [n, rows]. codes: where given,

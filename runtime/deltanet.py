@@ -74,12 +74,13 @@ class InputProjection:
         q, k, v, z = np.split(col, np.cumsum([shape.k_dim, shape.k_dim, r * shape.v_dim]), axis=1)
         return cls(qkvz=qkvz, qkv_cols=np.concatenate([q.ravel(), k.ravel(), v.ravel()]), z_cols=z.ravel())
 
-    def __call__(self, dev: Device, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def __call__(self, dev: Device, x: np.ndarray, *more: QTensor) -> list[np.ndarray]:
+        """[qkv, z, *(x times each of more)]: more are other matrices on the same input (the beta/alpha rows), in
+        the same call of dev.linears."""
         if self.qkvz is not None:
-            mixed = dev.linear(x, self.qkvz)
-            return mixed[:, self.qkv_cols], mixed[:, self.z_cols]
-        qkv, z = dev.linears(x, (self.qkv, self.z))
-        return qkv, z
+            mixed, *rest = dev.linears(x, (self.qkvz, *more))
+            return [mixed[:, self.qkv_cols], mixed[:, self.z_cols], *rest]
+        return dev.linears(x, (self.qkv, self.z, *more))
 
 
 @dataclass(frozen=True)
@@ -111,13 +112,13 @@ def gated_deltanet(dev: Device, x: np.ndarray, w: DeltaNetWeights, shape: DeltaN
     """The mixer's output [n, hidden] for x [n, hidden]; advances ``state`` by n tokens."""
     n = x.shape[0]
     s = shape
-    qkv, z = w.in_proj(dev, x)
     if n == 1:  # decode: the mixer between the projections in one compiled call
-        ba = dev.linear(x, w.ba)[0] if w.ba is not None else np.concatenate(
-            [dev.linear(x, w.beta)[0], dev.linear(x, w.alpha)[0]])
+        qkv, z, *ba = w.in_proj(dev, x, *((w.ba,) if w.ba is not None else (w.beta, w.alpha)))
+        ba = np.concatenate([b[0] for b in ba]) if len(ba) > 1 else ba[0][0]
         o = w.decode_step(s, eps)(np.ascontiguousarray(qkv[0]), np.ascontiguousarray(z[0]), ba, state.conv,
                                   state.recurrent)
         return dev.linear(o[None, :], w.out)
+    qkv, z = w.in_proj(dev, x)
     if w.ba is not None:
         ba = dev.linear(x, w.ba).reshape(n, s.n_k_heads, 2, s.n_v_heads // s.n_k_heads)
         b = np.ascontiguousarray(ba[:, :, 0].reshape(n, s.n_v_heads))

@@ -101,7 +101,12 @@ class HostDevice:
         return quant.matmul(w.data, w.ggml_type, x, self.quantized_activations)
 
     def linears(self, x: np.ndarray, ws: tuple[QTensor, ...]) -> list[np.ndarray]:
-        if x.shape[0] == 1 or not self.quantized_activations:
+        if x.shape[0] == 1:  # decode: the matrices of one type in one parallel region
+            for w in ws:
+                self._check_linear(x, w)
+            outs = quant.matvecs([(w.data, w.ggml_type) for w in ws], x[0], self.quantized_activations)
+            return [o[None, :] for o in outs]
+        if not self.quantized_activations:
             return [self.linear(x, w) for w in ws]
         for w in ws:
             self._check_linear(x, w)

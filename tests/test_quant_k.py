@@ -119,6 +119,24 @@ def test_act_quant_products_match_float64(rng, ggml_type):
             assert_product_close(got, w, q8_k_activations_ref(xs), MATMUL_TOL)
 
 
+@pytest.mark.parametrize("act_quant", [False, True])
+def test_matvecs_match_float64(rng, act_quant):
+    """Several matrices on one input (matvecs): the Q4_K ones, one of them read-only, in one parallel region over
+    their rows stacked (more than the serial size, claims crossing from one matrix into the next), a lone Q6_K one
+    through matvec; each against float64."""
+    k = 2048
+    mats = [(random_blocks(rng, 12, rows, k), 12) for rows in (300, 37, 129)]
+    frozen = random_blocks(rng, 12, 70, k)
+    frozen.flags.writeable = False
+    mats += [(frozen, 12), (random_blocks(rng, 14, 131, k), 14)]
+    x = random_activations(rng, (k,))
+    xr = q8_k_activations_ref(x) if act_quant else x.astype(np.float64)
+    outs = quant.matvecs(mats, x, act_quant)
+    assert len(outs) == len(mats)
+    for (raw, t), got in zip(mats, outs):
+        assert_product_close(got, gguf_weights(raw, t), xr, MATVEC_TOL)
+
+
 @pytest.mark.parametrize("ggml_type,loop", [(11, "idot_q3_k_loop"), (13, "idot_q5_k_loop")])
 def test_integer_dot_loops_match_float64(rng, ggml_type, loop):
     """The Q3_K and Q5_K integer dots' portable loops (CPUs without AVX-512BW or GFNI; this one may take the vector
