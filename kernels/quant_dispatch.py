@@ -502,7 +502,7 @@ def matvec_int_serial(t, w, x, block, out):
 # 80B-shaped Q4_K file, int8, 2 threads (Zen 4), 4 alternating process pairs of 40 tokens: a token's mixer
 # products (3 DeltaNet and 1 attention layer) took 1.60-1.69 ms against 1.65-1.76, reading at 0.91-0.95 of the
 # output head's pace in the same tokens against 0.86-0.92.
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, fastmath=False)  # integer arithmetic only
 def _stacked_rows(ws):
     n = 0
     for w in ws:
