@@ -5,12 +5,19 @@ the router's matrix-vector product, the softmax top-k, the expert pool's two pha
 the shared expert after its sigmoid gate. Here, in one call:
 
 1. on the calling thread: the activations' block sums (and their int8 blocks), the shared expert's gate;
-2. parallel: the router's rows and the shared expert's gate/up rows together (neither waits for the routing);
-3. on the calling thread: softmax and the k largest (routing._softmax_topk);
-4. parallel: the selected experts' gate/up rows;
-5. on the calling thread: each expert's SwiGLU output rounded to int8 blocks (integer path) or summed per 32;
-6. parallel: every down row, the routed experts' and the shared expert's;
-7. on the calling thread: out += the routed outputs in expert order, then + the shared expert's.
+2. one parallel region whose workers take tasks from three queues in turn:
+   a. the router's rows, then the shared expert's gate/up rows (neither waits for the routing); the worker that
+      finishes the router's rows makes the softmax top-k (routing._softmax_topk), the one that finishes the
+      shared expert's rounds its SwiGLU output for down;
+   b. once the routing is made: the selected experts' gate/up rows; the worker that finishes an expert's rounds
+      its output to int8 blocks (integer path) or sums it per 32;
+   c. every down row, the routed experts' in expert order (each once its expert's output is rounded), then the
+      shared expert's;
+3. on the calling thread: out += the routed outputs in expert order, then + the shared expert's.
+
+The hand-offs inside the region are counts published with acquire-release atomics (task_queue.publish,
+wait_for): a worker goes on to the next queue without a barrier, and the serial steps run while the other
+workers compute rows. Three regions with the serial steps between them had left one worker idle at each end.
 
 Every product is the dot of the separate calls (quant_dispatch.float_dots / int_dots, expert_pool's gate/up and
 down steps) and the sums keep their order, so the results are those of route + pool + pool. The router and
@@ -31,7 +38,7 @@ from .quant_dot import block_sums32
 from .quant_float import BF16, F16, F32
 from .quant_int import q8_activations, quantize_q8_sums
 from .routing import _softmax_topk
-from .task_queue import claimed_runs, expert_unit, task_counter, worker_count
+from .task_queue import claimed_runs, expert_unit, publish, task_counter, wait_for, worker_count
 
 FLOAT_TYPES = frozenset({F32, F16, BF16})
 
@@ -51,6 +58,24 @@ def _sums32(x):
     if x.shape[0] > 0 and x.shape[0] % 32 == 0:
         block_sums32(x, s)
     return s
+
+
+# Slots of the MoE block's sync array, a cache line (8 int64) apart: tasks done and ready flags (task_queue.publish).
+_ROUTER_DONE, _SHARED_DONE, _ROUTED, _SHARED_READY, _EXPERT_DONE = 0, 8, 16, 24, 32
+
+
+@numba.njit(inline="always", nogil=True, fastmath=_FASTMATH)
+def _round_expert(td, h, quantized, block, hq, hd, hs, hsum32, hr):
+    """One expert's SwiGLU output h as its down rows take it: int8 blocks (codes in td's order) and 16-sums, or
+    float sums per 32 and h in td's order."""
+    if quantized:
+        q = np.empty(h.shape[0], np.int8)
+        quantize_q8_sums(h, block, q, hd, hs)
+        hq[:] = int_ready(td, q)  # the planes' order goes by blocks: a row alone orders as within all
+    else:
+        if h.shape[0] % 32 == 0:
+            block_sums32(h, hsum32)
+        hr[:] = float_ready(td, h)
 
 
 @numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
@@ -78,84 +103,94 @@ def _moe_token(rt, router, it, gate_inp, normalize, tg, gate, tu, up, td, down, 
         float_dots(it, gate_inp, 0, 1, x, xsum32, np.empty(hidden, np.float32), dot, 0)
         _sigmoid(dot, scale)
 
-    # router rows and the shared expert's gate/up rows
     logits = np.empty(n_experts, np.float32)
     n_router = (n_experts + ROW_TASK - 1) // ROW_TASK
     n_shared = (sffn + ROW_TASK - 1) // ROW_TASK
     sh = np.empty(sffn, np.float32)
     su = np.empty((n_shared, ROW_TASK), np.float32)
-    counter = task_counter()
-    for worker in numba.prange(workers):  # runs of tasks from a counter (task_queue)
-        for first, end in claimed_runs(counter, n_router + n_shared, workers, 1):
-            for task in range(first, end):
-                if task < n_router:
-                    r0 = task * ROW_TASK
-                    scratch = xsum32 if has_fused_dot(rt) else np.empty(hidden, np.float32)
-                    float_dots(rt, router, r0, min(n_experts, r0 + ROW_TASK), x, xsum32, scratch, logits, r0)
-                else:
-                    s = task - n_router
-                    r0 = s * ROW_TASK
-                    r1 = min(sffn, r0 + ROW_TASK)
-                    if quantized:
-                        gate_up_int(stg, sgate, stu, sup, r0, r1, sxg, sxu, sxd, sxs, sh, su[s])
-                    else:
-                        scratch = xsum32 if has_fused_dot(stg) and has_fused_dot(stu) else np.empty(hidden, np.float32)
-                        gate_up_float(stg, sgate, stu, sup, r0, r1, sfg, sfu, xsum32, scratch, sh, su[s], scale[0])
-
-    _softmax_topk(logits.reshape((1, n_experts)), normalize, np.empty(n_experts, np.float32),
-                  ids.reshape((1, k)), weights.reshape((1, k)))
-
     h = np.empty((k, ffn), np.float32)
-    per_expert = (ffn + ROW_TASK - 1) // ROW_TASK
-    u = np.empty((k * per_expert, ROW_TASK), np.float32)
-    counter = task_counter()
-    for worker in numba.prange(workers):  # runs of tasks from a counter (task_queue)
-        for first, end in claimed_runs(counter, k * per_expert, workers, expert_unit(per_expert, k, workers)):
-            for task in range(first, end):
-                j, r0, r1 = _task_rows(task, per_expert, ffn)
-                if quantized:
-                    gate_up_int(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, xg, xu, xd, xs, h[j], u[task])
-                else:
-                    scratch = xsum32 if has_fused_dot(tg) and has_fused_dot(tu) else np.empty(hidden, np.float32)
-                    gate_up_float(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, fg, fu, xsum32, scratch, h[j], u[task],
-                                  weights[j])
-
-    # the down rows' activations: int8 blocks, or float sums per 32
-    nq = ffn if quantized else 0
-    hq = np.empty((k, nq), np.int8)
-    hd = np.empty((k, nq // blocks[1]), np.float32)
+    per_gu = (ffn + ROW_TASK - 1) // ROW_TASK
+    u = np.empty((k * per_gu, ROW_TASK), np.float32)
+    # the down rows' activations, each expert's made by the worker that finishes its gate/up (_round_expert)
+    nq, nf = (ffn, 0) if quantized else (0, ffn)
+    hq, hd = np.empty((k, nq), np.int8), np.empty((k, nq // blocks[1]), np.float32)
     hs = np.empty((k, nq // 16), np.int32)
-    hsum32 = np.empty((k, max(1, ffn // 32)), np.float32)
-    for j in range(k):
-        if quantized:
-            quantize_q8_sums(h[j], blocks[1], hq[j], hd[j], hs[j])
-        elif ffn % 32 == 0:
-            block_sums32(h[j], hsum32[j])
-    hq = int_ready(td, hq.reshape(-1)).reshape(k, nq)  # planes order by blocks: each row's the same
-    shq, shd, shs = _q8(sh, blocks[3], quantized and sffn > 0)
-    shq = int_ready(std, shq)
-    shsum32 = _sums32(sh)
-    hr = h if quantized else float_ready(td, h.reshape(-1)).reshape(k, ffn)  # planes order by blocks
-    shr = sh if quantized or sffn == 0 else float_ready(std, sh)
-
-    per_expert = (hidden + ROW_TASK - 1) // ROW_TASK
-    n_shared = per_expert if sffn > 0 else 0
+    hsum32, hr = np.empty((k, max(1, ffn // 32)), np.float32), np.empty((k, nf), np.float32)
+    snq, snf = (sffn, 0) if quantized else (0, sffn)
+    shq, shd, shs = np.empty(snq, np.int8), np.empty(snq // blocks[3], np.float32), np.empty(snq // 16, np.int32)
+    shsum32, shr = np.empty(max(1, sffn // 32), np.float32), np.empty(snf, np.float32)
+    per_down = (hidden + ROW_TASK - 1) // ROW_TASK
+    n_shared_down = per_down if sffn > 0 else 0
     y = np.empty((k, hidden), np.float32)
     sy = np.empty(hidden, np.float32)
-    counter = task_counter()
-    for worker in numba.prange(workers):  # runs of tasks from a counter (task_queue)
-        for first, end in claimed_runs(counter, k * per_expert + n_shared, workers,
-                                       expert_unit(per_expert, k + (n_shared > 0), workers)):
+
+    # One region, three queues taken in turn: (a) the router's rows, then the shared expert's gate/up rows; (b) the
+    # selected experts' gate/up rows, once the routing is made; (c) every down row, the routed experts' in expert
+    # order (each once its expert's gate/up are done), then the shared expert's. The worker that finishes the
+    # router's rows makes the top-k, the one that finishes an expert's (or the shared expert's) gate/up rounds its
+    # output for down: no barrier between the phases, and the serial steps overlap the other workers' rows.
+    sync = np.zeros(_EXPERT_DONE + 16 * k, np.int64)  # then per expert: gate/up tasks done, its output ready
+    queue_a, queue_b, queue_c = task_counter(), task_counter(), task_counter()
+    for worker in numba.prange(workers):
+        for first, end in claimed_runs(queue_a, n_router + n_shared, workers, 1):
+            router_end = min(end, n_router)
+            for task in range(first, router_end):
+                r0 = task * ROW_TASK
+                scratch = xsum32 if has_fused_dot(rt) else np.empty(hidden, np.float32)
+                float_dots(rt, router, r0, min(n_experts, r0 + ROW_TASK), x, xsum32, scratch, logits, r0)
+            done = router_end - first
+            if done > 0 and publish(sync, _ROUTER_DONE, done) + done == n_router:
+                _softmax_topk(logits.reshape((1, n_experts)), normalize, np.empty(n_experts, np.float32),
+                              ids.reshape((1, k)), weights.reshape((1, k)))
+                publish(sync, _ROUTED, 1)
+            shared_first = max(first, n_router)
+            for task in range(shared_first, end):
+                s = task - n_router
+                r0 = s * ROW_TASK
+                r1 = min(sffn, r0 + ROW_TASK)
+                if quantized:
+                    gate_up_int(stg, sgate, stu, sup, r0, r1, sxg, sxu, sxd, sxs, sh, su[s])
+                else:
+                    scratch = xsum32 if has_fused_dot(stg) and has_fused_dot(stu) else np.empty(hidden, np.float32)
+                    gate_up_float(stg, sgate, stu, sup, r0, r1, sfg, sfu, xsum32, scratch, sh, su[s], scale[0])
+            done = end - shared_first
+            if done > 0 and publish(sync, _SHARED_DONE, done) + done == n_shared:
+                _round_expert(std, sh, quantized, blocks[3], shq, shd, shs, shsum32, shr)
+                publish(sync, _SHARED_READY, 1)
+
+        wait_for(sync, _ROUTED, 1)
+        for first, end in claimed_runs(queue_b, k * per_gu, workers, expert_unit(per_gu, k, workers)):
+            task = first
+            while task < end:  # the claim's tasks expert by expert
+                j = task // per_gu
+                stop = min(end, (j + 1) * per_gu)
+                for t in range(task, stop):
+                    _, r0, r1 = _task_rows(t, per_gu, ffn)
+                    if quantized:
+                        gate_up_int(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, xg, xu, xd, xs, h[j], u[t])
+                    else:
+                        scratch = xsum32 if has_fused_dot(tg) and has_fused_dot(tu) else np.empty(hidden, np.float32)
+                        gate_up_float(tg, gate[ids[j]], tu, up[ids[j]], r0, r1, fg, fu, xsum32, scratch, h[j], u[t],
+                                      weights[j])
+                if publish(sync, _EXPERT_DONE + 16 * j, stop - task) + stop - task == per_gu:
+                    _round_expert(td, h[j], quantized, blocks[1], hq[j], hd[j], hs[j], hsum32[j], hr[j])
+                    publish(sync, _EXPERT_DONE + 16 * j + 8, 1)
+                task = stop
+
+        for first, end in claimed_runs(queue_c, k * per_down + n_shared_down, workers,
+                                       expert_unit(per_down, k + (n_shared_down > 0), workers)):
             for task in range(first, end):
-                if task < k * per_expert:
-                    j, r0, r1 = _task_rows(task, per_expert, hidden)
+                if task < k * per_down:
+                    j, r0, r1 = _task_rows(task, per_down, hidden)
+                    wait_for(sync, _EXPERT_DONE + 16 * j + 8, 1)
                     if quantized:
                         down_int(td, down[ids[j]], r0, r1, hq[j], hd[j], hs[j], y[j], weights[j])
                     else:
                         scratch = hsum32[j] if has_fused_dot(td) else np.empty(ffn, np.float32)
                         float_dots(td, down[ids[j]], r0, r1, hr[j], hsum32[j], scratch, y[j], r0)
                 else:
-                    r0 = (task - k * per_expert) * ROW_TASK
+                    wait_for(sync, _SHARED_READY, 1)
+                    r0 = (task - k * per_down) * ROW_TASK
                     r1 = min(hidden, r0 + ROW_TASK)
                     if quantized:
                         down_int(std, sdown, r0, r1, shq, shd, shs, sy, scale[0])

@@ -23,6 +23,8 @@ per worker, so the counter is taken a few times per region and not per task.
 
 from __future__ import annotations
 
+import platform
+
 import numba
 import numpy as np
 from llvmlite import ir
@@ -31,23 +33,79 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 __all__ = ["CLAIMS_PER_WORKER", "EXPERT_CLAIMS_PER_WORKER", "claim_size", "claimed_runs", "expert_unit", "fetch_add",
-           "next_task", "task_counter", "thread_count", "worker_count"]
+           "next_task", "publish", "task_counter", "thread_count", "wait_for", "worker_count"]
+
+
+def _int64_vector(ty) -> bool:
+    return isinstance(ty, types.Array) and ty.dtype == types.int64 and ty.ndim == 1
+
+
+def _slot(context, builder, sig, args):
+    """The address of counter[i] (args (counter, i, ...))."""
+    ary = context.make_array(sig.args[0])(context, builder, args[0])
+    return builder.gep(ary.data, [context.cast(builder, args[1], sig.args[1], types.intp)])
+
+
+def _atomic_add(ordering):
+    def codegen(context, builder, sig, args):
+        value = context.cast(builder, args[2], sig.args[2], types.int64)
+        return builder.atomic_rmw("add", _slot(context, builder, sig, args), value, ordering)
+    return codegen
 
 
 @intrinsic
 def fetch_add(typingctx, counter, i, v):
     """Atomically add v to counter[i] (a 1-D int64 array) and return the value it held before."""
-    if not (isinstance(counter, types.Array) and counter.dtype == types.int64 and counter.ndim == 1):
+    if not _int64_vector(counter):
+        return None
+    # monotonic: the counter orders nothing else; each task's data comes from before the region and its
+    # outputs are read after it (the region's end is the synchronization)
+    return types.int64(counter, i, v), _atomic_add("monotonic")
+
+
+@intrinsic
+def publish(typingctx, counter, i, v):
+    """fetch_add that also orders memory (acquire-release): this thread's writes before it are visible to a thread
+    that reads the new count (wait_for), and the thread that makes the count complete sees every write that the
+    other adders made before theirs. How a worker hands its outputs to another inside one region."""
+    if not _int64_vector(counter):
+        return None
+    return types.int64(counter, i, v), _atomic_add("acq_rel")
+
+
+@intrinsic
+def _load_acquire(typingctx, counter, i):
+    if not _int64_vector(counter):
         return None
 
     def codegen(context, builder, sig, args):
-        ary = context.make_array(sig.args[0])(context, builder, args[0])
-        index = context.cast(builder, args[1], sig.args[1], types.intp)
-        value = context.cast(builder, args[2], sig.args[2], types.int64)
-        # monotonic: the counter orders nothing else; each task's data comes from before the region and its
-        # outputs are read after it (the region's end is the synchronization)
-        return builder.atomic_rmw("add", builder.gep(ary.data, [index]), value, "monotonic")
-    return types.int64(counter, i, v), codegen
+        return builder.load_atomic(_slot(context, builder, sig, args), "acquire", 8)
+    return types.int64(counter, i), codegen
+
+
+_PAUSE = platform.machine().lower() in ("x86_64", "amd64")
+
+
+@intrinsic
+def _spin_pause(typingctx):
+    """x86's pause (a spin loop's hint to the core: less power, no penalty on leaving it); nothing elsewhere."""
+    def codegen(context, builder, sig, args):
+        if _PAUSE:
+            builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                        "llvm.x86.sse2.pause"), [])
+        return context.get_dummy_value()
+    return types.none(), codegen
+
+
+@numba.njit(inline="always", nogil=True)
+def wait_for(counter, i, target):
+    """Spin until counter[i] >= target, a count another worker publishes; its writes before are then visible.
+
+    Waiting inside a region cannot deadlock where every wait is for tasks already claimed from a counter and no
+    task waits for a later one: a claimed task's worker runs it to the end (a worker claims nothing while it holds
+    a claim), whether or not it shares a thread with others (prange may run two workers on one thread in turn)."""
+    while _load_acquire(counter, i) < target:
+        _spin_pause()
 
 
 @intrinsic

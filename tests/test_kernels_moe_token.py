@@ -9,7 +9,7 @@ import pytest
 from strata_async.kernels import quant
 from strata_async.kernels.activations import sigmoid
 from strata_async.kernels.expert_pool import swiglu_experts
-from strata_async.kernels.moe_token import has_moe_token, moe_token
+from strata_async.kernels.moe_token import MoETokenCall, _moe_token, has_moe_token, moe_token
 from strata_async.kernels.routing import softmax_topk
 from test_kernels_expert_pool import _rounded_expert_ref, dequant64, random_rows, swiglu_ref
 
@@ -120,6 +120,26 @@ def test_moe_token_with_shared_expert_equals_pools(rng):
     swiglu_experts(shared[0][None], t, shared[1][None], t, shared[2][None], t, x, np.zeros(1, np.int64), scale, ref,
                    True)
     assert np.array_equal(out, ref)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_moe_token_equal_for_any_worker_count(rng, quantized):
+    """The block's one region hands each expert's output (and the routing) from the worker that finishes it to the
+    workers that go on: the same bits with one worker, one per thread, and more workers than threads, where two
+    workers take turns on one thread (a wait must then never be for a task nobody has claimed)."""
+    types = (Q.Q4_K, Q.Q4_K, Q.Q6_K)
+    n_experts, ffn, hidden, k, sffn = 16, 512, 256, 5, 256
+    experts, shared, x = _block(rng, types, n_experts, ffn, hidden, sffn)
+    router, _ = _router(rng, n_experts, hidden, x, k, np.float32)
+    gate_inp = rng.standard_normal((1, hidden)).astype(np.float32)
+    call = MoETokenCall((router.view(np.uint8), 0), k, True, tuple(zip(experts, map(int, types))),
+                        tuple(zip(shared, map(int, types))), (gate_inp.view(np.uint8), 0), quantized)
+    ref, ids_ref, weights_ref = call(x)
+    for workers in (1, 2, 3, 7, 2, 3):
+        ids, weights, out = np.empty(k, np.int64), np.empty(k, np.float32), np.zeros(hidden, np.float32)
+        _moe_token(*call._weights, x, quantized, call._blocks, ids, weights, out, workers)
+        assert np.array_equal(ids, ids_ref) and np.array_equal(weights, weights_ref)
+        assert np.array_equal(out, ref), workers
 
 
 def test_moe_token_types_and_errors(rng):

@@ -13,7 +13,8 @@ from strata_async.kernels.grouped_codes import _down_codes, _gate_up_codes
 from strata_async.kernels.int_matmul import _matmul_codes, quantize_tokens
 from strata_async.kernels.quant_dispatch import matvec_int, matvec_int_serial
 from strata_async.kernels.task_queue import (CLAIMS_PER_WORKER, EXPERT_CLAIMS_PER_WORKER, claim_size, claimed_runs,
-                                             expert_unit, fetch_add, next_task, task_counter, worker_count)
+                                             expert_unit, fetch_add, next_task, publish, task_counter,
+                                             wait_for, worker_count)
 
 from test_kernels_int_matmul import random_activations, random_rows
 
@@ -81,6 +82,44 @@ def test_fetch_add_is_atomic_and_returns_the_old_value():
     assert _fetch_add(counter, 0, 5) == 7 and counter[0] == 12
     _add_in_parallel(counter, 200_000, 3)  # lost updates between the threads would leave less
     assert counter.tolist() == [12, 100 + 600_000, 9]
+
+
+@numba.njit(parallel=True, cache=False)
+def _two_phases(n_groups, per_group, workers, values, sums, out, sync):
+    """Phase 1 writes values in groups; the worker that finishes a group sums it and publishes it ready; phase 2's
+    tasks each wait for their group and read its sum."""
+    first_queue, second_queue = task_counter(), task_counter()
+    for worker in numba.prange(workers):
+        task = next_task(first_queue)
+        while task < n_groups * per_group:
+            values[task] = task * 3 + 1
+            g = task // per_group
+            if publish(sync, 2 * g, 1) + 1 == per_group:  # this worker finished group g: every value is written
+                total = 0
+                for i in range(g * per_group, (g + 1) * per_group):
+                    total += values[i]
+                sums[g] = total
+                publish(sync, 2 * g + 1, 1)
+            task = next_task(first_queue)
+        task = next_task(second_queue)
+        while task < n_groups:
+            wait_for(sync, 2 * task + 1, 1)
+            out[task] = sums[task]
+            task = next_task(second_queue)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 8])
+def test_published_outputs_reach_waiting_workers(workers):
+    """A count made complete with publish hands the writes before it to a worker that waits for it (wait_for),
+    with any number of workers, two taking turns on a thread included (no wait is for an unclaimed task)."""
+    n_groups, per_group = 300, 7
+    expected = [sum(i * 3 + 1 for i in range(g * per_group, (g + 1) * per_group)) for g in range(n_groups)]
+    for _ in range(20):
+        values, sums = np.zeros(n_groups * per_group, np.int64), np.zeros(n_groups, np.int64)
+        out, sync = np.full(n_groups, -1, np.int64), np.zeros(2 * n_groups, np.int64)
+        _two_phases(n_groups, per_group, workers, values, sums, out, sync)
+        assert out.tolist() == expected
+        assert sync[0::2].tolist() == [per_group] * n_groups and sync[1::2].tolist() == [1] * n_groups
 
 
 @pytest.mark.parametrize("unit", [1, 16])
