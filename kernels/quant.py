@@ -131,22 +131,26 @@ def matvec(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool = False
     if x.ndim != 1:
         raise ValueError(f"matvec takes a 1-D activation vector, got shape {x.shape}")
     _check_weights(w, fmt, x.shape[0])
-    x = np.ascontiguousarray(x, np.float32)
+    return _matvec(w, fmt.ggml_type, fmt.act_block, np.ascontiguousarray(x, np.float32), act_quant)
+
+
+def _matvec(w: np.ndarray, t: int, act_block: int, x: np.ndarray, act_quant: bool) -> np.ndarray:
+    """matvec once w and x (contiguous float32) are checked."""
     out = np.empty(w.shape[0], np.float32)
     serial = w.nbytes <= _SERIAL_MATVEC_BYTES
-    if act_quant and quant_dispatch.has_int_dot(fmt.ggml_type):
+    if act_quant and quant_dispatch.has_int_dot(t):
         # ggml's numerics at integer speed: int8 activations times the weight codes.
         if serial:
-            quant_dispatch.matvec_int_serial(fmt.ggml_type, w, x, fmt.act_block, out)
+            quant_dispatch.matvec_int_serial(t, w, x, act_block, out)
         else:
-            quant_dispatch.matvec_int(fmt.ggml_type, w, x, fmt.act_block, out, 0)  # 0: Numba's thread count
+            quant_dispatch.matvec_int(t, w, x, act_block, out, 0)  # 0: Numba's thread count
         return out
     if act_quant:
-        x = quantize_activations(x, ggml_type)
+        x = quantize_activations(x, t)
     if serial:
-        quant_dispatch.matvec_serial(fmt.ggml_type, w, x, out)
+        quant_dispatch.matvec_serial(t, w, x, out)
     else:
-        quant_dispatch.matvec(fmt.ggml_type, w, x, out, 0)
+        quant_dispatch.matvec(t, w, x, out, 0)
     return out
 
 
@@ -158,34 +162,58 @@ def _read_only(w: np.ndarray) -> np.ndarray:
     return v
 
 
+class MatvecsCall:
+    """matvecs for one list of matrices, checked and grouped once: ``call(x)`` -> [W @ x for each W], the results
+    of matvec. A decoded token's Python runs with cold caches (each layer streams megabytes of weights through
+    them), where checking, grouping and splitting on every call had cost ~30 us a call (Device.linears keeps one
+    per list of matrices).
+
+    The matrices of one type go into one parallel region (quant_dispatch.matvecs_int / matvecs) where there are
+    several and they are not all small: a DeltaNet layer's input projections, an attention layer's q, k and v."""
+
+    def __init__(self, weights: list[tuple[np.ndarray, int]], length: int, act_quant: bool = False):
+        groups: dict[tuple, list[int]] = {}
+        for i, (w, t) in enumerate(weights):
+            _check_weights(w, _format(t), length)
+            # One compiled tuple type per group: Numba types an array by its layout too.
+            groups.setdefault((t, w.dtype, w.ndim, w.flags.c_contiguous), []).append(i)
+        self.length, self._n, self._act_quant = length, len(weights), bool(act_quant)
+        self._alone: list[tuple[int, np.ndarray, int, int]] = []  # (output, matrix, type, act_block), one by one
+        self._stacked: list[tuple[int, int, tuple, list[tuple[int, int, int]], int]] = []
+        for (t, *_), idx in groups.items():
+            block = _format(t).act_block
+            if len(idx) == 1 or sum(weights[i][0].nbytes for i in idx) <= _SERIAL_MATVEC_BYTES:
+                self._alone += [(i, weights[i][0], t, block) for i in idx]
+                continue
+            ws = tuple(_read_only(weights[i][0]) for i in idx)  # and by its writability (copied weights or mapped)
+            ends = np.cumsum([w.shape[0] for w in ws]).tolist()
+            parts = [(i, end - w.shape[0], end) for i, w, end in zip(idx, ws, ends)]
+            self._stacked.append((t, block, ws, parts, ends[-1]))
+
+    def __call__(self, x: np.ndarray) -> list[np.ndarray]:
+        if x.shape != (self.length,):
+            raise ValueError(f"matvecs takes a 1-D activation vector of {self.length} values, got shape {x.shape}")
+        x = np.ascontiguousarray(x, np.float32)
+        outs: list[np.ndarray] = [None] * self._n  # type: ignore[list-item]
+        for i, w, t, block in self._alone:
+            outs[i] = _matvec(w, t, block, x, self._act_quant)
+        for t, block, ws, parts, rows in self._stacked:
+            out = np.empty(rows, np.float32)
+            if self._act_quant and quant_dispatch.has_int_dot(t):
+                quant_dispatch.matvecs_int(t, ws, x, block, out, 0)
+            else:
+                quant_dispatch.matvecs(t, ws, quantize_activations(x, t) if self._act_quant else x, out, 0)
+            for i, first, end in parts:
+                outs[i] = out[first:end]
+        return outs
+
+
 def matvecs(weights: list[tuple[np.ndarray, int]], x: np.ndarray, act_quant: bool = False) -> list[np.ndarray]:
     """[matvec(w, t, x, act_quant) for w, t in weights], the same results, with the matrices of one type in one
-    parallel region (quant_dispatch.matvecs_int / matvecs): a DeltaNet layer's input projections, an attention
-    layer's q, k and v."""
+    parallel region (MatvecsCall; a caller multiplying the same matrices again keeps one of those instead)."""
     if x.ndim != 1:
         raise ValueError(f"matvecs takes a 1-D activation vector, got shape {x.shape}")
-    x = np.ascontiguousarray(x, np.float32)
-    groups: dict[tuple, list[int]] = {}
-    for i, (w, t) in enumerate(weights):
-        _check_weights(w, _format(t), x.shape[0])
-        # One compiled tuple type per group: Numba types an array by its layout too.
-        groups.setdefault((t, w.dtype, w.ndim, w.flags.c_contiguous), []).append(i)
-    outs: list[np.ndarray] = [None] * len(weights)  # type: ignore[list-item]
-    for (t, *_), idx in groups.items():
-        ws = tuple(_read_only(weights[i][0]) for i in idx)  # and by its writability (copied weights or mapped)
-        if len(ws) == 1 or sum(w.nbytes for w in ws) <= _SERIAL_MATVEC_BYTES:
-            for i in idx:
-                outs[i] = matvec(weights[i][0], t, x, act_quant)
-            continue
-        rows = [w.shape[0] for w in ws]
-        out = np.empty(sum(rows), np.float32)
-        if act_quant and quant_dispatch.has_int_dot(t):
-            quant_dispatch.matvecs_int(t, ws, x, _format(t).act_block, out, 0)
-        else:
-            quant_dispatch.matvecs(t, ws, quantize_activations(x, t) if act_quant else x, out, 0)
-        for i, part in zip(idx, np.split(out, np.cumsum(rows)[:-1])):
-            outs[i] = part
-    return outs
+    return MatvecsCall(weights, x.shape[0], act_quant)(x)
 
 
 def matmul(w: np.ndarray, ggml_type: int, x: np.ndarray, act_quant: bool = False,

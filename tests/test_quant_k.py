@@ -137,6 +137,31 @@ def test_matvecs_match_float64(rng, act_quant):
         assert_product_close(got, gguf_weights(raw, t), xr, MATVEC_TOL)
 
 
+@pytest.mark.parametrize("act_quant", [False, True])
+def test_device_linears_keep_their_calls(rng, act_quant):
+    """HostDevice.linears in decode keeps one checked MatvecsCall per list of matrices: each call gives what matvec does
+    for each matrix, to the bit; an input of another length is refused; lists made anew on every call (an expert's
+    matrices) do not grow what it keeps without end."""
+    from strata_async.runtime import device as device_module
+    from strata_async.runtime.device import HostDevice
+    from strata_async.runtime.weights import QTensor
+    k = 512
+    mats = [QTensor(f"m{i}", t, (rows, k), random_blocks(rng, t, rows, k))
+            for i, (t, rows) in enumerate(((12, 300), (12, 200), (14, 64)))]
+    dev = HostDevice(threads=2, quantized_activations=act_quant)
+    for _ in range(3):
+        x = random_activations(rng, (1, k))
+        outs = dev.linears(x, tuple(mats))
+        for m, got in zip(mats, outs):
+            np.testing.assert_array_equal(got[0], quant.matvec(m.data, m.ggml_type, x[0], act_quant))
+    assert len(dev._matvecs_calls) == 1
+    with pytest.raises(ValueError):
+        dev.linears(random_activations(rng, (1, k + 256)), tuple(mats))
+    for _ in range(device_module._MATVECS_CALLS + 5):
+        dev.linears(x, (QTensor("e", 12, (16, k), mats[0].data[:16]),))
+    assert len(dev._matvecs_calls) <= device_module._MATVECS_CALLS
+
+
 @pytest.mark.parametrize("ggml_type,loop", [(11, "idot_q3_k_loop"), (13, "idot_q5_k_loop")])
 def test_integer_dot_loops_match_float64(rng, ggml_type, loop):
     """The Q3_K and Q5_K integer dots' portable loops (CPUs without AVX-512BW or GFNI; this one may take the vector
