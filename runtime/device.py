@@ -85,7 +85,7 @@ class HostDevice:
         # Round activations as ggml does before its integer dot products (to compare with llama.cpp).
         self.quantized_activations = quantized_activations
         self._moe_calls: dict[tuple, fused_moe.MoETokenCall | None] = {}
-        self._matvecs_calls: dict[tuple, quant.MatvecsCall] = {}  # by the rounding and the QTensors
+        self._matvecs_calls: dict[tuple, quant.MatvecsCall] = {}  # by the matrices' QTensors
 
     def activate(self) -> None:
         # Numba's thread count is per calling thread, so it is set by whichever thread runs the model.
@@ -106,14 +106,13 @@ class HostDevice:
 
     def linears(self, x: np.ndarray, ws: tuple[QTensor, ...]) -> list[np.ndarray]:
         if x.shape[0] == 1:  # decode: the matrices of one type in one parallel region
-            key = (self.quantized_activations, *ws)
-            call = self._matvecs_calls.get(key)
+            call = self._matvecs_calls.get(ws)
             if call is None:
                 for w in ws:
                     self._check_linear(x, w)
                 if len(self._matvecs_calls) >= _MATVECS_CALLS:  # lists made per call (an expert's matrices)
                     self._matvecs_calls.clear()
-                call = self._matvecs_calls[key] = quant.MatvecsCall([(w.data, w.ggml_type) for w in ws], x.shape[1],
+                call = self._matvecs_calls[ws] = quant.MatvecsCall([(w.data, w.ggml_type) for w in ws], x.shape[1],
                                                                    self.quantized_activations)
             return [o[None, :] for o in call(x[0])]
         if not self.quantized_activations:
