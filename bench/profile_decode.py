@@ -4,8 +4,10 @@
 
 Two measurements on the same warmed-up sequence:
 1. wall time per phase (each layer's mixer and MoE, the output head), from the runtime's debug hook
-   timestamps;
-2. time inside compiled (Numba) kernels: every kernel of strata_async.kernels that Python calls is wrapped,
+   timestamps (with a hook set, every step runs as its own call: the layered path);
+2. with the hook taken off again (the path a decode takes: qwen3next's DeltaNet layers as one compiled call
+   each with --int8), time inside compiled (Numba) kernels: every kernel of strata_async.kernels that Python
+   calls is wrapped,
    for the timed tokens only, in a timer (two perf_counter reads, ~0.2 us a call), and the tokens' wall time
    minus the kernels' is the time outside them: Python, numpy glue, argument checks (median over tokens).
    A kernel's time includes Numba's entry into it (typing its arguments: ~1 us a call, measured here with an
@@ -32,10 +34,25 @@ from strata_async.runtime import load_runtime
 
 
 @contextmanager
-def kernel_timers(seconds: Counter, calls: Counter):
+def patched_kernels(wrap):
     """Within the block, every kernel dispatcher that a strata_async module holds as an attribute is replaced by
-    a wrapper that adds its wall time to seconds[name] and counts calls[name]; restored on exit. Kernels that
-    compiled code calls are part of their caller's time."""
+    wrap(name, kernel) (name: "module.function"); restored on exit. Kernels that compiled code calls are not
+    seen: they are part of their caller."""
+    patched = []
+    for module in [m for name, m in sys.modules.items() if name.startswith("strata_async")]:
+        for attr, obj in list(vars(module).items()):
+            if isinstance(obj, CPUDispatcher) and obj.__module__.startswith("strata_async.kernels"):
+                patched.append((module, attr, obj))
+                setattr(module, attr, wrap(f"{obj.__module__.rsplit('.', 1)[-1]}.{obj.__name__}", obj))
+    try:
+        yield
+    finally:
+        for module, attr, obj in patched:
+            setattr(module, attr, obj)
+
+
+def kernel_timers(seconds: Counter, calls: Counter):
+    """patched_kernels with a wrapper that adds each kernel's wall time to seconds[name] and counts calls[name]."""
     clock = time.perf_counter
 
     def timed(name: str, kernel):
@@ -48,17 +65,7 @@ def kernel_timers(seconds: Counter, calls: Counter):
                 calls[name] += 1
         return call
 
-    patched = []
-    for module in [m for name, m in sys.modules.items() if name.startswith("strata_async")]:
-        for attr, obj in list(vars(module).items()):
-            if isinstance(obj, CPUDispatcher) and obj.__module__.startswith("strata_async.kernels"):
-                patched.append((module, attr, obj))
-                setattr(module, attr, timed(f"{obj.__module__.rsplit('.', 1)[-1]}.{obj.__name__}", obj))
-    try:
-        yield
-    finally:
-        for module, attr, obj in patched:
-            setattr(module, attr, obj)
+    return patched_kernels(timed)
 
 
 def kernel_entry_seconds(repeats: int = 20000) -> float:
@@ -110,6 +117,8 @@ def main() -> int:
             phases[f"layer {l} moe"].append(at[("layer_out", l)] - at[("ffn_inp", l)])
         phases["output head"].append(t1 - at[("output_norm", -1)])
 
+    rt.debug_hook = None
+    logits = rt.forward(state, np.array([int(logits[-1].argmax())]), all_logits=False)  # compiled layers warm
     kernel_s: Counter = Counter()
     kernel_calls: Counter = Counter()
     token_walls, token_kernels = [], []

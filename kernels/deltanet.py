@@ -376,14 +376,27 @@ class DecodeStep:
         self._args = (_transposed(conv_w), ssm_a, dt_bias)
         self._rest = (norm_w, float(eps), hk, dk, hv, dv, bool(tiled), bool(silu_gate), _scale(dk, scale))
 
+    @property
+    def fused_ba(self) -> bool:
+        return self._fused_ba
+
+    def kernel_weights(self) -> tuple[tuple, tuple]:
+        """_decode_step's (conv weight, ssm_a, dt_bias) and its arguments after the state (norm weight, eps,
+        shapes, flags, scale): for a compiled caller that runs the step inside a larger call (decode_layer)."""
+        return self._args, self._rest
+
+    def check_states(self, conv_state: np.ndarray, state: np.ndarray) -> None:
+        """Raise where conv_state or state is not this layer's (shape, float32, writable)."""
+        require_array("conv_state", conv_state, (self.kernel - 1, self.channels), writable=True)
+        require_array("state", state, (self.hv, self.dk, self.dv), writable=True)
+
     def __call__(self, qkv: np.ndarray, z: np.ndarray, ba: np.ndarray, conv_state: np.ndarray,
                  state: np.ndarray) -> np.ndarray:
         hv, dv = self.hv, self.dv
         require_array("qkv", qkv, (self.channels,))
         require_array("z", z, (hv * dv,))
         require_array("ba", ba, (2 * hv,))
-        require_array("conv_state", conv_state, (self.kernel - 1, self.channels), writable=True)
-        require_array("state", state, (hv, self.dk, dv), writable=True)
+        self.check_states(conv_state, state)
         out = np.empty(hv * dv, np.float32)
         _decode_step(qkv, z, ba, self._fused_ba, conv_state, *self._args, state, *self._rest, out)
         return out

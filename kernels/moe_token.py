@@ -269,6 +269,15 @@ class MoETokenCall:
                          int(stg), sg, int(stu), su, int(std), sd)
         self._quantized, self._blocks = bool(quantized_activations), blocks
 
+    @property
+    def quantized(self) -> bool:
+        return self._quantized
+
+    def kernel_weights(self) -> tuple[tuple, bool, np.ndarray, int]:
+        """_moe_token's weight arguments (a tuple), then its quantized, blocks and k: for a compiled caller that
+        runs the block inside a larger call (decode_layer)."""
+        return self._weights, self._quantized, self._blocks, self.k
+
     def __call__(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(out, ids, weights) for x float32 [hidden]."""
         if not (isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.c_contiguous):

@@ -9,8 +9,9 @@ from typing import Protocol
 import numba
 import numpy as np
 
-from strata_async.kernels import expert_pool, quant
+from strata_async.kernels import decode_layer, expert_pool, quant
 from strata_async.kernels import moe_token as fused_moe
+from strata_async.kernels.deltanet import DecodeStep
 
 from .weights import QTensor
 
@@ -39,6 +40,15 @@ class Device(Protocol):
         """One token's whole MoE block in one call: (out [hidden], ids [k], weights [k]) for x [hidden], the
         router's softmax top-k (renormalised where normalize) over the routed experts (gate, up, down: 3-D) plus the
         shared expert's (gate, up, down: 2-D) output, scaled by sigmoid(gate_inp . x) where gate_inp is given.
+        None where the device has no such path for these tensors."""
+
+    def deltanet_moe_layer(self, attn_norm: np.ndarray, ffn_norm: np.ndarray, eps: float,
+                           proj: tuple[QTensor, ...], step: DecodeStep, out: QTensor, router: QTensor, k: int,
+                           normalize: bool, experts: tuple[QTensor, ...], shared: tuple[QTensor, ...] | None,
+                           gate_inp: QTensor | None) -> decode_layer.DeltaNetMoELayerCall | None:
+        """A whole DeltaNet layer of one decoded token as one call, ``call(h, conv_state, state)``: h [hidden] +=
+        the mixer (rmsnorm with attn_norm, the input projections proj = (q/k/v, z, fused beta/alpha), the step,
+        the output projection out), then += the MoE block (as moe_token) of rmsnorm(h) with ffn_norm; in place.
         None where the device has no such path for these tensors."""
 
     def swiglu_experts_grouped(self, x: np.ndarray, gate: QTensor, up: QTensor, down: QTensor,
@@ -132,12 +142,17 @@ class HostDevice:
     def moe_token(self, x: np.ndarray, router: QTensor, k: int, normalize: bool, experts: tuple[QTensor, ...],
                   shared: tuple[QTensor, ...] | None, gate_inp: QTensor | None
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        call = self._kept_moe_call(router, k, normalize, experts, shared, gate_inp)
+        return None if call is None else call(x)
+
+    def _kept_moe_call(self, router: QTensor, k: int, normalize: bool, experts: tuple[QTensor, ...],
+                       shared: tuple[QTensor, ...] | None, gate_inp: QTensor | None) -> fused_moe.MoETokenCall | None:
         # Each layer's block is checked once and kept (weights are immutable views of the file).
         key = (router, k, normalize, experts, shared, gate_inp)
         call = self._moe_calls.get(key, _NOT_MADE)
         if call is _NOT_MADE:
             call = self._moe_calls[key] = self._moe_call(router, k, normalize, experts, shared, gate_inp)
-        return None if call is None else call(x)
+        return call
 
     def _moe_call(self, router: QTensor, k: int, normalize: bool, experts: tuple[QTensor, ...],
                   shared: tuple[QTensor, ...] | None, gate_inp: QTensor | None) -> fused_moe.MoETokenCall | None:
@@ -150,6 +165,20 @@ class HostDevice:
                                       tuple(pairs[3:]) if shared else None,
                                       (gate_inp.data, gate_inp.ggml_type) if gate_inp is not None else None,
                                       self.quantized_activations)
+
+    def deltanet_moe_layer(self, attn_norm: np.ndarray, ffn_norm: np.ndarray, eps: float,
+                           proj: tuple[QTensor, ...], step: DecodeStep, out: QTensor, router: QTensor, k: int,
+                           normalize: bool, experts: tuple[QTensor, ...], shared: tuple[QTensor, ...] | None,
+                           gate_inp: QTensor | None) -> decode_layer.DeltaNetMoELayerCall | None:
+        if not self.quantized_activations:
+            return None  # the float path keeps its layered calls
+        moe = self._kept_moe_call(router, k, normalize, experts, shared, gate_inp)
+        for w in (*proj, out):
+            if w.data.ndim != 2:
+                raise ValueError(f"'{w.name}' must be a 2-D matrix, got shape {w.shape}")
+        return decode_layer.DeltaNetMoELayerCall.make(attn_norm, ffn_norm, eps,
+                                                      tuple((w.data, w.ggml_type) for w in proj), step,
+                                                      (out.data, out.ggml_type), moe)
 
     def swiglu_experts_grouped(self, x: np.ndarray, gate: QTensor, up: QTensor, down: QTensor,
                                pair_tokens: np.ndarray, group_experts: np.ndarray,

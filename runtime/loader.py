@@ -9,7 +9,7 @@ import numpy as np
 
 from strata_async.io import GGUFFile, open_gguf
 
-from .archs import ArchModel, model_class
+from .archs import ArchModel, model_class, no_hook
 from .config import LoadOptions, ModelConfig
 from .device import Device, HostDevice
 from .host_memory import keep_freed_buffers
@@ -30,10 +30,22 @@ class Runtime:
         self.prefill_chunk = prefill_chunk
         self.max_context = max_context
         self._model = model
-        self._hook = _passthrough(debug_hook)
+        self.debug_hook = debug_hook
 
     def new_state(self) -> SequenceState:
         return self._model.new_state(self.max_context)
+
+    @property
+    def debug_hook(self) -> UserDebugHook | None:
+        """The debug hook (see load_runtime), or None. While one is set, every step of a forward runs as its own
+        call so that the hook sees each intermediate tensor; without one, a decoded layer may run as one compiled
+        call (qwen3next's DeltaNet layers with quantized activations: the same bits)."""
+        return self._user_hook
+
+    @debug_hook.setter
+    def debug_hook(self, hook: UserDebugHook | None) -> None:
+        self._user_hook = hook
+        self._hook = _passthrough(hook)
 
     @property
     def model(self) -> ArchModel:
@@ -90,7 +102,7 @@ class Runtime:
 
 def _passthrough(debug_hook: UserDebugHook | None) -> Callable[[str, int, np.ndarray], np.ndarray]:
     if debug_hook is None:
-        return lambda name, layer, tensor: tensor
+        return no_hook
 
     def hook(name: str, layer: int, tensor: np.ndarray) -> np.ndarray:
         debug_hook(name, layer, tensor)

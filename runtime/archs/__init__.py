@@ -21,6 +21,12 @@ from ..weights import WeightStore
 DebugHook = Callable[[str, int, np.ndarray], np.ndarray]
 
 
+def no_hook(name: str, layer: int, tensor: np.ndarray) -> np.ndarray:
+    """The hook of a runtime without a debug hook: an architecture given this one may fuse the steps whose
+    intermediate tensors no one watches (a decoded layer in one compiled call)."""
+    return tensor
+
+
 class ArchModel(Protocol):
     config: ModelConfig
 

@@ -24,7 +24,7 @@ from ..layers import attention, gate_sigmoid, linear, rmsnorm, rope
 from ..moe import RoutedExperts, SharedExpert, moe_layer
 from ..state import KVCache, SequenceState
 from ..weights import QTensor, WeightStore
-from . import DebugHook
+from . import DebugHook, no_hook
 from .qwen3moe import Attention, Embeddings, load_experts
 
 ARCH = "qwen3next"
@@ -106,6 +106,22 @@ class Model:
             self.layers.append(Layer(attn_norm=ws.vector(f"{p}.attn_norm.weight", d), mixer=mixer,
                                      ffn_norm=ws.vector(f"{p}.post_attention_norm.weight", d),
                                      router=router, experts=experts, shared=shared))
+        self._decode_calls: dict[int, Any] = {}  # by layer: the device's compiled decode layer, or None
+
+    def decode_call(self, i: int):
+        """Layer i's whole decode step as one device call (Device.deltanet_moe_layer), or None: attention layers,
+        files whose DeltaNet input projection or beta/alpha rows come in other layouts, devices without one."""
+        if i not in self._decode_calls:
+            layer, c, call = self.layers[i], self.config, None
+            w = layer.mixer
+            if c.recurrent[i] and w.in_proj.qkvz is None and w.ba is not None:
+                e, s = layer.experts, layer.shared
+                call = self.dev.deltanet_moe_layer(
+                    layer.attn_norm, layer.ffn_norm, c.rms_eps, (w.in_proj.qkv, w.in_proj.z, w.ba),
+                    w.decode_step(c.deltanet, c.rms_eps), w.out, layer.router, c.n_experts_used, c.norm_topk_prob,
+                    (e.gate, e.up, e.down), (s.gate, s.up, s.down), s.gate_inp)
+            self._decode_calls[i] = call
+        return self._decode_calls[i]
 
     def new_state(self, max_context: int) -> SequenceState:
         c = self.config
@@ -129,7 +145,11 @@ class Model:
         c = self.config
         positions = state.position + np.arange(len(tokens))
         h = self.emb.tokens.take_rows(tokens)
+        fused = len(tokens) == 1 and hook is no_hook  # no one watches the layers' insides
         for i, (layer, layer_state) in enumerate(zip(self.layers, state.layers)):
+            if fused and (call := self.decode_call(i)) is not None:
+                call(h[0], layer_state.conv, layer_state.recurrent)  # h += the whole layer, in place
+                continue
             x = hook("attn_norm", i, rmsnorm(h, layer.attn_norm, c.rms_eps))
             if c.recurrent[i]:
                 mixed = gated_deltanet(self.dev, x, layer.mixer, c.deltanet, layer_state, c.rms_eps)
