@@ -51,12 +51,27 @@ class Device(Protocol):
         the output projection out), then += the MoE block (as moe_token) of rmsnorm(h) with ffn_norm; in place.
         None where the device has no such path for these tensors."""
 
+    def attention_moe_layer(self, attn_norm: np.ndarray, ffn_norm: np.ndarray, eps: float,
+                            proj: tuple[QTensor, ...], q_norm: np.ndarray, k_norm: np.ndarray,
+                            shape: decode_layer.AttentionShape, out: QTensor, router: QTensor, k: int, normalize: bool,
+                            experts: tuple[QTensor, ...], shared: tuple[QTensor, ...] | None,
+                            gate_inp: QTensor | None) -> decode_layer.AttentionMoELayerCall | None:
+        """A whole attention layer of one decoded token as one call, ``call(h, k_cache, v_cache, start,
+        position)``: h [hidden] += the attention (rmsnorm with attn_norm, the q, k, v projections proj, their
+        per-head norms, RoPE, the new key and value into cache row start, attention over rows 0..start, the gate,
+        the output projection out), then += the MoE block of rmsnorm(h) with ffn_norm; in place. None where the
+        device has no such path for these tensors."""
+
     def swiglu_experts_grouped(self, x: np.ndarray, gate: QTensor, up: QTensor, down: QTensor,
                                pair_tokens: np.ndarray, group_experts: np.ndarray,
                                group_starts: np.ndarray) -> np.ndarray | None:
         """Prefill: many experts each over a few tokens of x [n, hidden] in one call. Pairs sorted by expert:
         group g is expert group_experts[g] over pairs group_starts[g]:group_starts[g + 1], pair p token
         pair_tokens[p]. Returns [pairs, hidden] (unweighted expert outputs), or None where there is no such path."""
+
+
+def _pairs(ws: tuple[QTensor, ...]) -> tuple[tuple[np.ndarray, int], ...]:
+    return tuple((w.data, w.ggml_type) for w in ws)
 
 
 def physical_cores() -> int:
@@ -170,15 +185,31 @@ class HostDevice:
                            proj: tuple[QTensor, ...], step: DecodeStep, out: QTensor, router: QTensor, k: int,
                            normalize: bool, experts: tuple[QTensor, ...], shared: tuple[QTensor, ...] | None,
                            gate_inp: QTensor | None) -> decode_layer.DeltaNetMoELayerCall | None:
+        moe = self._decode_layer_moe(proj, out, router, k, normalize, experts, shared, gate_inp)
+        return moe and decode_layer.DeltaNetMoELayerCall.make(attn_norm, ffn_norm, eps, _pairs(proj), step,
+                                                              (out.data, out.ggml_type), moe)
+
+    def attention_moe_layer(self, attn_norm: np.ndarray, ffn_norm: np.ndarray, eps: float,
+                            proj: tuple[QTensor, ...], q_norm: np.ndarray, k_norm: np.ndarray,
+                            shape: decode_layer.AttentionShape, out: QTensor, router: QTensor, k: int, normalize: bool,
+                            experts: tuple[QTensor, ...], shared: tuple[QTensor, ...] | None,
+                            gate_inp: QTensor | None) -> decode_layer.AttentionMoELayerCall | None:
+        moe = self._decode_layer_moe(proj, out, router, k, normalize, experts, shared, gate_inp)
+        return moe and decode_layer.AttentionMoELayerCall.make(attn_norm, ffn_norm, eps, _pairs(proj), q_norm,
+                                                               k_norm, shape, self.threads, (out.data, out.ggml_type),
+                                                               moe)
+
+    def _decode_layer_moe(self, proj: tuple[QTensor, ...], out: QTensor, router: QTensor, k: int, normalize: bool,
+                          experts: tuple[QTensor, ...], shared: tuple[QTensor, ...] | None,
+                          gate_inp: QTensor | None) -> fused_moe.MoETokenCall | None:
+        """The MoE call a compiled decode layer takes (None: the float path keeps its layered calls), the layer's
+        matrices checked."""
         if not self.quantized_activations:
-            return None  # the float path keeps its layered calls
-        moe = self._kept_moe_call(router, k, normalize, experts, shared, gate_inp)
+            return None
         for w in (*proj, out):
             if w.data.ndim != 2:
                 raise ValueError(f"'{w.name}' must be a 2-D matrix, got shape {w.shape}")
-        return decode_layer.DeltaNetMoELayerCall.make(attn_norm, ffn_norm, eps,
-                                                      tuple((w.data, w.ggml_type) for w in proj), step,
-                                                      (out.data, out.ggml_type), moe)
+        return self._kept_moe_call(router, k, normalize, experts, shared, gate_inp)
 
     def swiglu_experts_grouped(self, x: np.ndarray, gate: QTensor, up: QTensor, down: QTensor,
                                pair_tokens: np.ndarray, group_experts: np.ndarray,

@@ -10,6 +10,7 @@ import numpy as np
 
 from strata_async.kernels import activations, norms
 from strata_async.kernels import attention as attention_kernels
+from strata_async.kernels.decode_layer import AttentionShape  # noqa: F401  (the architectures' decode calls take it)
 
 from .device import Device
 from .state import KVCache
@@ -78,6 +79,14 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, cache: KVCache, scale
     cache.append(k, v)
     out = attention_kernels.attend(np.ascontiguousarray(q), cache.k, cache.v, cache.length - n, scale)
     return out.reshape(n, -1)
+
+
+def decoded_attention_layer(call, h: np.ndarray, cache: KVCache, position: int) -> None:
+    """h [1, hidden] += a whole attention layer of one decoded token at `position` in place (a call that
+    Device.attention_moe_layer made), its key and value appended to the cache."""
+    cache.make_room(1)
+    call(h[0], cache.k, cache.v, cache.length, position)
+    cache.length += 1
 
 
 def sparse_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, cache: KVCache, allowed: np.ndarray,

@@ -35,13 +35,19 @@ class KVCache:
     def append(self, k: np.ndarray, v: np.ndarray) -> None:
         """Store the keys/values [n, n_kv_heads, head_dim] of the next n positions."""
         end = self.length + k.shape[0]
+        self.make_room(k.shape[0])
+        self.k[self.length:end] = k
+        self.v[self.length:end] = v
+        self.length = end
+
+    def make_room(self, n: int) -> None:
+        """Grow the arrays so that rows [length, length + n) exist (for a caller that writes them itself and then
+        counts them into length)."""
+        end = self.length + n
         if end > self.max_context:
             raise ValueError(f"KV cache holds at most {self.max_context} positions; {end} requested")
         self.k = _grown(self.k, end, self.length, self.max_context)
         self.v = _grown(self.v, end, self.length, self.max_context)
-        self.k[self.length:end] = k
-        self.v[self.length:end] = v
-        self.length = end
 
     def copy(self) -> KVCache:
         other = copy.copy(self)

@@ -133,6 +133,7 @@ class ParitySuite:
 
     model_key: str  # conftest's key of the tiny checkpoint ("qwen3moe", "qwen3next")
     kquant_key: str  # conftest's key of its 256-multiple variant
+    compiled_decode_layers = True  # whether the architecture decodes its layers as compiled calls (int8)
     # Intermediate tensors the debug hook must report ("layer_out" and "output_norm" are compared with transformers).
     hook_names = frozenset({"attn_norm", "attn_out", "ffn_inp", "ffn_norm", "moe_out", "layer_out"})
 
@@ -209,6 +210,39 @@ class ParitySuite:
         assert np.isfinite(got).all()
         diff = max_rel_diff(got, exact.forward(exact.new_state(), prompt))
         assert diff > 1e-5 if rounds else diff == 0.0
+
+    @pytest.mark.parametrize("kquant", [False, True], ids=["q8_0", "Q4_K_M"])
+    def test_compiled_decode_layers_give_the_layered_bits(self, request, kquant):
+        """Without a debug hook, a decoded token's layers run as one compiled call each (Device.deltanet_moe_layer,
+        attention_moe_layer) with int8 activations; with one, every step is its own call. The logits must be the
+        same bits token after token (the KV caches and DeltaNet states advancing in both), every layer must take
+        the compiled call, and float activations none. Q4_K_M: llama-quantize's mix of types (Q8_0 beside Q4_K)."""
+        path = (request.getfixturevalue("quantized")(self.kquant_key, "Q4_K_M") if kquant
+                else request.getfixturevalue("converted")(self.model_key, "q8_0"))
+        fused = load_runtime(path, prefill_chunk=PREFILL_CHUNK, quantized_activations=True)
+        layered = load_runtime(path, prefill_chunk=PREFILL_CHUNK, quantized_activations=True,
+                               debug_hook=lambda name, layer, tensor: None)
+        n_layers = fused.config.n_layers
+        if self.compiled_decode_layers:
+            assert all(fused.model.decode_call(i) is not None for i in range(n_layers))
+            exact = load_runtime(path, prefill_chunk=PREFILL_CHUNK)
+            assert all(exact.model.decode_call(i) is None for i in range(n_layers))
+        else:
+            assert not hasattr(fused.model, "decode_call")  # the layered path, hook or not
+        fused_state, layered_state = fused.new_state(), layered.new_state()
+        prompt = random_prompt(PREFILL_CHUNK + 3)
+        got = fused.forward(fused_state, prompt, all_logits=False)
+        want = layered.forward(layered_state, prompt, all_logits=False)
+        for _ in range(6):
+            np.testing.assert_array_equal(got, want)
+            token = np.array([int(want[-1].argmax())])
+            got, want = fused.forward(fused_state, token), layered.forward(layered_state, token)
+        np.testing.assert_array_equal(got, want)
+        assert fused_state.position == layered_state.position
+        for a, b in zip(fused_state.layers, layered_state.layers):
+            for name in ("k", "v", "recurrent", "conv"):
+                if hasattr(a, name):
+                    np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
 
     @pytest.mark.slow
     @pytest.mark.parametrize("ggml_type, maker, qtype", QUANTIZED_FILES, ids=[q[0] for q in QUANTIZED_FILES])

@@ -3,21 +3,36 @@ call at a time through their own wrappers (norms.rmsnorm, quant.matvecs / matvec
 kernels the float64 reference tests check. The end-to-end form (a converted model's logits, token after token) is
 in test_parity_qwen3next."""
 
+import numba
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 from test_kernels_expert_pool import random_rows
 
 from strata_async.kernels import quant
-from strata_async.kernels.decode_layer import DeltaNetMoELayerCall
+from strata_async.kernels.activations import mul_sigmoid
+from strata_async.kernels.attention import attend, rope
+from strata_async.kernels.decode_layer import AttentionMoELayerCall, AttentionShape, DeltaNetMoELayerCall
 from strata_async.kernels.deltanet import DecodeStep
 from strata_async.kernels.moe_token import MoETokenCall
-from strata_async.kernels.norms import rmsnorm
+from strata_async.kernels.norms import rmsnorm, rmsnorm_heads
 from strata_async.kernels.quant_float import F32
 
 HK, DK, HV, DV, CONV = 2, 64, 4, 64, 4
 EXPERTS, FFN, TOP_K = 8, 64, 2
 EPS = 1e-6
+
+
+def moe_call(rng, hidden: int, shared: bool = True) -> MoETokenCall:
+    experts = tuple((np.stack([random_rows(rng, Q.Q8_0, rows, k) for _ in range(EXPERTS)]), int(Q.Q8_0))
+                    for rows, k in ((FFN, hidden), (FFN, hidden), (hidden, FFN)))
+    router = (rng.standard_normal((EXPERTS, hidden)).astype(np.float32).view(np.uint8), F32)
+    if not shared:
+        return MoETokenCall(router, TOP_K, True, experts, quantized_activations=True)
+    shared = tuple((random_rows(rng, Q.Q8_0, rows, k), int(Q.Q8_0))
+                   for rows, k in ((FFN, hidden), (FFN, hidden), (hidden, FFN)))
+    gate_inp = (rng.standard_normal((1, hidden)).astype(np.float32).view(np.uint8), F32)
+    return MoETokenCall(router, TOP_K, True, experts, shared, gate_inp, quantized_activations=True)
 
 
 def layer(rng, hidden: int, proj_types: tuple[Q, Q, Q], out_type: Q):
@@ -29,15 +44,8 @@ def layer(rng, hidden: int, proj_types: tuple[Q, Q, Q], out_type: Q):
                       1 + 0.1 * rng.standard_normal(DV).astype(np.float32), EPS, HK, DK, HV, DV, fused_ba=True,
                       tiled=False, silu_gate=True)
     out = (random_rows(rng, out_type, hidden, HV * DV), int(out_type))
-    experts = tuple((np.stack([random_rows(rng, Q.Q8_0, rows, k) for _ in range(EXPERTS)]), int(Q.Q8_0))
-                    for rows, k in ((FFN, hidden), (FFN, hidden), (hidden, FFN)))
-    shared = tuple((random_rows(rng, Q.Q8_0, rows, k), int(Q.Q8_0))
-                   for rows, k in ((FFN, hidden), (FFN, hidden), (hidden, FFN)))
-    router = (rng.standard_normal((EXPERTS, hidden)).astype(np.float32).view(np.uint8), F32)
-    gate_inp = (rng.standard_normal((1, hidden)).astype(np.float32).view(np.uint8), F32)
-    moe = MoETokenCall(router, TOP_K, True, experts, shared, gate_inp, quantized_activations=True)
     norms = [1 + 0.1 * rng.standard_normal(hidden).astype(np.float32) for _ in range(2)]
-    return norms, proj, step, out, moe
+    return norms, proj, step, out, moe_call(rng, hidden)
 
 
 # hidden 512: the input projections (~420 KB of Q8_0) go in one parallel region (stacked); mixed types: each
@@ -74,6 +82,10 @@ def test_make_declines_what_it_has_no_path_for():
     rng = np.random.default_rng(1)
     (attn_norm, ffn_norm), proj, step, out, moe = layer(rng, 256, (Q.Q8_0,) * 3, Q.Q8_0)
     float_moe = MoETokenCall(*moe_args(rng), quantized_activations=False)
+    shape = AttentionShape(4, 2, 64, True, 1e4, 32, 0.125)
+    attention_proj = tuple((random_rows(rng, Q.Q8_0, rows, 256), int(Q.Q8_0)) for rows in (512, 128, 128))
+    assert AttentionMoELayerCall.make(attn_norm, ffn_norm, EPS, attention_proj, *attn_norms(rng, 64), shape, 2, out,
+                                      float_moe) is None
     assert DeltaNetMoELayerCall.make(attn_norm, ffn_norm, EPS, proj, step, out, float_moe) is None
     assert DeltaNetMoELayerCall.make(attn_norm, ffn_norm, EPS, proj, step, out, None) is None
     f32_out = (rng.standard_normal((256, HV * DV)).astype(np.float32).view(np.uint8), F32)
@@ -85,6 +97,54 @@ def test_make_declines_what_it_has_no_path_for():
         call(np.zeros(128, np.float32), conv, state)
     with pytest.raises(ValueError, match="state"):
         call(np.zeros(256, np.float32), conv, state[:2])
+
+
+def attn_norms(rng, d: int) -> list[np.ndarray]:
+    return [1 + 0.1 * rng.standard_normal(d).astype(np.float32) for _ in range(2)]
+
+
+# One kv head on two threads past 512 cached keys: attend splits the keys into ranges (its parts path); gated
+# (Qwen3-Next: per head the query, then its gate) and not (Qwen3-MoE, no shared expert).
+@pytest.mark.parametrize("gated, kv_heads, start", [(True, 2, 5), (True, 1, 600), (False, 2, 300)],
+                         ids=["gated", "gated, keys split", "plain"])
+def test_attention_call_gives_its_steps_bits(gated, kv_heads, start):
+    rng = np.random.default_rng(start)
+    hidden, heads, d = 512, 4, 64
+    shape = AttentionShape(heads, kv_heads, d, gated, 1e6, 32, d ** -0.5)
+    q_rows = (2 if gated else 1) * heads * d
+    proj = tuple((random_rows(rng, Q.Q8_0, rows, hidden), int(Q.Q8_0)) for rows in (q_rows, kv_heads * d, kv_heads * d))
+    out = (random_rows(rng, Q.Q4_K, hidden, heads * d), int(Q.Q4_K))
+    attn_norm, ffn_norm = attn_norms(rng, hidden)
+    q_norm, k_norm = attn_norms(rng, d)
+    moe = moe_call(rng, hidden, shared=gated)
+    call = AttentionMoELayerCall.make(attn_norm, ffn_norm, EPS, proj, q_norm, k_norm, shape, 2, out, moe)
+    assert call is not None
+    caches = [rng.standard_normal((start + 8, kv_heads, d)).astype(np.float32) for _ in range(2)]
+    k_cache, v_cache = caches
+    k_want, v_want = k_cache.copy(), v_cache.copy()
+    h = rng.standard_normal(hidden).astype(np.float32)
+    numba.set_num_threads(2)
+    for pos in range(start, start + 3):
+        want = h.copy()
+        x = rmsnorm(want[None], attn_norm, EPS)[0]
+        qg, k, v = quant.matvecs(list(proj), x, act_quant=True)
+        qg = qg.reshape(1, heads, 2 if gated else 1, d)
+        q = rmsnorm_heads(np.ascontiguousarray(qg[:, :, 0]), q_norm, EPS)
+        k = rmsnorm_heads(k.reshape(1, kv_heads, d), k_norm, EPS)
+        positions = np.array([pos + 7])
+        k_want[pos:pos + 1] = rope(k, positions, 1e6, 32)
+        v_want[pos] = v.reshape(kv_heads, d)
+        o = attend(rope(q, positions, 1e6, 32), k_want, v_want, pos, d ** -0.5).reshape(1, -1)
+        if gated:
+            o = mul_sigmoid(o, np.ascontiguousarray(qg[:, :, 1]).reshape(1, -1))
+        want = want + quant.matvec(*out, o[0], act_quant=True)
+        want = want + moe(rmsnorm(want[None], ffn_norm, EPS)[0])[0]
+        call(h, k_cache, v_cache, pos, pos + 7)
+        np.testing.assert_array_equal(h, want)
+        np.testing.assert_array_equal(k_cache[:pos + 1], k_want[:pos + 1])
+        np.testing.assert_array_equal(v_cache[:pos + 1], v_want[:pos + 1])
+    with pytest.raises(ValueError, match="caches"):
+        call(h, k_cache[:, :1].copy() if kv_heads > 1 else k_cache[:, :, :32].copy(), v_cache, start, start)
 
 
 def moe_args(rng):

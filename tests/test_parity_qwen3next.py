@@ -2,7 +2,6 @@
 dequantized F32 copies (the checks are in parity.ParitySuite), and the older fused DeltaNet input layout."""
 
 import numpy as np
-import pytest
 from gguf import GGMLQuantizationType
 from safetensors import safe_open
 
@@ -79,35 +78,3 @@ def test_multi_token_prediction_block_is_not_run(qwen3next_f32_gguf, tmp_path):
     prompt = random_prompt(PREFILL_CHUNK + 3)
     np.testing.assert_array_equal(with_mtp.forward(with_mtp.new_state(), prompt),
                                   trunk.forward(trunk.new_state(), prompt))
-
-
-@pytest.mark.parametrize("make, key, qtype", [("converted", "qwen3next", "q8_0"),
-                                              ("quantized", "qwen3next_kquant", "Q4_K_M")],
-                         ids=["Q8_0", "Q4_K_M (Q8_0 and Q4_K projections)"])
-def test_compiled_decode_layers_give_the_layered_bits(make, key, qtype, request):
-    """Without a debug hook, a decoded token's DeltaNet layers run as one compiled call each
-    (Device.deltanet_moe_layer); with one, every step is its own call. The logits must be the same bits, token
-    after token (the DeltaNet states advance in both), and the compiled path must be the one taken."""
-    path = request.getfixturevalue(make)(key, qtype)
-    fused = load_runtime(path, prefill_chunk=PREFILL_CHUNK, quantized_activations=True)
-    layered = load_runtime(path, prefill_chunk=PREFILL_CHUNK, quantized_activations=True,
-                           debug_hook=lambda name, layer, tensor: None)
-    model = fused.model
-    recurrent = model.config.recurrent
-    assert [model.decode_call(i) is not None for i in range(len(recurrent))] == list(recurrent)
-    fused_state, layered_state = fused.new_state(), layered.new_state()
-    prompt = random_prompt(PREFILL_CHUNK + 3)
-    got = fused.forward(fused_state, prompt, all_logits=False)
-    want = layered.forward(layered_state, prompt, all_logits=False)
-    for _ in range(6):
-        np.testing.assert_array_equal(got, want)
-        token = np.array([int(want[-1].argmax())])
-        got, want = fused.forward(fused_state, token), layered.forward(layered_state, token)
-    np.testing.assert_array_equal(got, want)
-    np.testing.assert_array_equal(fused_state.layers[0].recurrent, layered_state.layers[0].recurrent)
-
-
-def test_float_activations_keep_the_layered_decode(qwen3next_f32_gguf):
-    """The compiled decode layer is the integer path's; float activations keep every step's own call."""
-    rt = load_runtime(qwen3next_f32_gguf, prefill_chunk=PREFILL_CHUNK)
-    assert all(rt.model.decode_call(i) is None for i in range(rt.config.n_layers))

@@ -31,6 +31,7 @@ EOS = assets.QWEN_EOS_ID
 class TestQwen4ExpParity(ParitySuite):
     model_key = "qwen4exp"
     kquant_key = "qwen4exp_kquant"
+    compiled_decode_layers = False  # its hyper-connections and PLE stay on the layered path
     hook_names = frozenset({"ple_out", "attn_out", "moe_out", "layer_out"})
 
 

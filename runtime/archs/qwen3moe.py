@@ -15,11 +15,11 @@ import numpy as np
 
 from ..config import LoadOptions, Metadata, ModelConfig
 from ..device import Device
-from ..layers import attention, linear, rmsnorm, rope
+from ..layers import AttentionShape, attention, decoded_attention_layer, linear, rmsnorm, rope
 from ..moe import RoutedExperts, moe_layer
 from ..state import KVCache, SequenceState
 from ..weights import QTensor, WeightStore
-from . import DebugHook
+from . import DebugHook, no_hook
 
 ARCH = "qwen3moe"
 
@@ -97,6 +97,20 @@ class Model:
                                      attn=Attention.load(ws, p, c, c.n_heads * c.head_dim),
                                      ffn_norm=ws.vector(f"{p}.ffn_norm.weight", c.hidden),
                                      router=router, experts=experts))
+        self._decode_calls: dict[int, Any] = {}  # by layer: the device's compiled decode layer, or None
+
+    def decode_call(self, i: int):
+        """Layer i's whole decode step as one device call (Device.attention_moe_layer), or None where the device
+        has none for its tensors."""
+        if i not in self._decode_calls:
+            layer, c = self.layers[i], self.config
+            a, e = layer.attn, layer.experts
+            shape = AttentionShape(c.n_heads, c.n_kv_heads, c.head_dim, False, c.rope_theta, c.rope_dim,
+                                   c.head_dim ** -0.5)
+            self._decode_calls[i] = self.dev.attention_moe_layer(
+                layer.attn_norm, layer.ffn_norm, c.rms_eps, (a.q, a.k, a.v), a.q_norm, a.k_norm, shape, a.o,
+                layer.router, c.n_experts_used, c.norm_topk_prob, (e.gate, e.up, e.down), None, None)
+        return self._decode_calls[i]
 
     def new_state(self, max_context: int) -> SequenceState:
         c = self.config
@@ -116,7 +130,11 @@ class Model:
         c = self.config
         positions = state.position + np.arange(len(tokens))
         h = self.emb.tokens.take_rows(tokens)
+        fused = len(tokens) == 1 and hook is no_hook  # no one watches the layers' insides
         for i, (layer, cache) in enumerate(zip(self.layers, state.layers)):
+            if fused and (call := self.decode_call(i)) is not None:
+                decoded_attention_layer(call, h, cache, state.position)  # h += the whole layer, in place
+                continue
             x = hook("attn_norm", i, rmsnorm(h, layer.attn_norm, c.rms_eps))
             h = h + hook("attn_out", i, self.attention(layer.attn, x, positions, cache))
             hook("ffn_inp", i, h)

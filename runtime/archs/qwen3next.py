@@ -20,7 +20,8 @@ import numpy as np
 from ..config import LoadOptions, Metadata, ModelConfig
 from ..deltanet import DeltaNetShape, DeltaNetWeights, InputProjection, gated_deltanet
 from ..device import Device
-from ..layers import attention, gate_sigmoid, linear, rmsnorm, rope
+from ..layers import AttentionShape
+from ..layers import attention, decoded_attention_layer, gate_sigmoid, linear, rmsnorm, rope
 from ..moe import RoutedExperts, SharedExpert, moe_layer
 from ..state import KVCache, SequenceState
 from ..weights import QTensor, WeightStore
@@ -109,17 +110,22 @@ class Model:
         self._decode_calls: dict[int, Any] = {}  # by layer: the device's compiled decode layer, or None
 
     def decode_call(self, i: int):
-        """Layer i's whole decode step as one device call (Device.deltanet_moe_layer), or None: attention layers,
-        files whose DeltaNet input projection or beta/alpha rows come in other layouts, devices without one."""
+        """Layer i's whole decode step as one device call (Device.deltanet_moe_layer, attention_moe_layer), or
+        None: files whose DeltaNet input projection or beta/alpha rows come in other layouts, devices without one."""
         if i not in self._decode_calls:
             layer, c, call = self.layers[i], self.config, None
-            w = layer.mixer
-            if c.recurrent[i] and w.in_proj.qkvz is None and w.ba is not None:
-                e, s = layer.experts, layer.shared
-                call = self.dev.deltanet_moe_layer(
-                    layer.attn_norm, layer.ffn_norm, c.rms_eps, (w.in_proj.qkv, w.in_proj.z, w.ba),
-                    w.decode_step(c.deltanet, c.rms_eps), w.out, layer.router, c.n_experts_used, c.norm_topk_prob,
-                    (e.gate, e.up, e.down), (s.gate, s.up, s.down), s.gate_inp)
+            w, e, s = layer.mixer, layer.experts, layer.shared
+            moe = (layer.router, c.n_experts_used, c.norm_topk_prob, (e.gate, e.up, e.down), (s.gate, s.up, s.down),
+                   s.gate_inp)
+            if not c.recurrent[i]:
+                shape = AttentionShape(c.n_heads, c.n_kv_heads, c.head_dim, True, c.rope_theta, c.rope_dim,
+                                       c.head_dim ** -0.5)
+                call = self.dev.attention_moe_layer(layer.attn_norm, layer.ffn_norm, c.rms_eps, (w.q, w.k, w.v),
+                                                    w.q_norm, w.k_norm, shape, w.o, *moe)
+            elif w.in_proj.qkvz is None and w.ba is not None:
+                call = self.dev.deltanet_moe_layer(layer.attn_norm, layer.ffn_norm, c.rms_eps,
+                                                   (w.in_proj.qkv, w.in_proj.z, w.ba),
+                                                   w.decode_step(c.deltanet, c.rms_eps), w.out, *moe)
             self._decode_calls[i] = call
         return self._decode_calls[i]
 
@@ -147,8 +153,11 @@ class Model:
         h = self.emb.tokens.take_rows(tokens)
         fused = len(tokens) == 1 and hook is no_hook  # no one watches the layers' insides
         for i, (layer, layer_state) in enumerate(zip(self.layers, state.layers)):
-            if fused and (call := self.decode_call(i)) is not None:
-                call(h[0], layer_state.conv, layer_state.recurrent)  # h += the whole layer, in place
+            if fused and (call := self.decode_call(i)) is not None:  # h += the whole layer, in place
+                if c.recurrent[i]:
+                    call(h[0], layer_state.conv, layer_state.recurrent)
+                else:
+                    decoded_attention_layer(call, h, layer_state, state.position)
                 continue
             x = hook("attn_norm", i, rmsnorm(h, layer.attn_norm, c.rms_eps))
             if c.recurrent[i]:
