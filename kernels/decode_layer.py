@@ -1,17 +1,19 @@
-"""One decoded token's whole DeltaNet layer in one compiled call: h += mixer(rmsnorm(h)), then h += moe(rmsnorm(h)).
+"""One decoded token's whole layer in one compiled call: h += mixer(rmsnorm(h)), then h += moe(rmsnorm(h)), the mixer
+a gated DeltaNet (DeltaNetMoELayerCall) or attention over a KV cache (AttentionMoELayerCall).
 
-Done from Python, a DeltaNet layer of a decoded token was seven kernel calls (the norm, the input projections,
-the DeltaNet step, the output projection, the second norm, the MoE block) and some 150 Python calls between them:
-the architecture's glue, the device's dispatch, argument checks, the residual adds. A decoded token's Python runs
-with cold caches (each layer streams megabytes of weights through them), so that glue cost ~0.4-1.3 ms of an
-80B-shaped token of 7-10 ms (bench/bench_replay.py: the same kernels called back to back). Here the layer's
-kernels run in turn from compiled code, and Python enters once.
+Done from Python, a DeltaNet layer of a decoded token was six kernel calls (the norm, the input projections, the
+DeltaNet step, the output projection, the second norm, the MoE block), an attention layer eleven, with some 150
+Python calls between them: the architecture's glue, the device's dispatch, argument checks, the residual adds. A
+decoded token's Python runs with cold caches (each layer streams megabytes of weights through them), so that glue
+cost ~0.4-1.3 ms of an 80B-shaped token of 7-10 ms (bench/bench_replay.py: the same kernels called back to back).
+Here the layer's kernels run in turn from compiled code, and Python enters once.
 
 Every step is the kernel the layered path calls, on the same inputs, in the same order (the norms'
-_rmsnorm_rows, quant_dispatch's matvec_int / matvecs_int / matvec_int_serial, deltanet._decode_step,
-moe_token._moe_token), and the residual adds are float32 adds as numpy's: the results are the layered path's,
-bit for bit. The integer path only (quantized activations, integer dots for every projection); anything else
-stays on the layered path (DeltaNetMoELayerCall.make returns None).
+_rmsnorm_rows, quant_dispatch's matvec_int / matvecs_int / matvec_int_serial, deltanet._decode_step, attention's
+_rope_neox and _attend with attend's split of the keys, activations._mul_sigmoid, moe_token._moe_token), and the
+residual adds are float32 adds as numpy's: the results are the layered path's, bit for bit. The integer path only
+(quantized activations, integer dots for every projection); anything else stays on the layered path (``make``
+returns None).
 """
 
 from __future__ import annotations
