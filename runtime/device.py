@@ -175,7 +175,7 @@ class HostDevice:
         if not fused_moe.has_moe_token(router.ggml_type, gate_inp.ggml_type if gate_inp is not None else None,
                                        tuple(w.ggml_type for w in projections), self.quantized_activations):
             return None
-        pairs = [(w.data, w.ggml_type) for w in projections]
+        pairs = _pairs(projections)
         return fused_moe.MoETokenCall((router.data, router.ggml_type), k, normalize, tuple(pairs[:3]),
                                       tuple(pairs[3:]) if shared else None,
                                       (gate_inp.data, gate_inp.ggml_type) if gate_inp is not None else None,

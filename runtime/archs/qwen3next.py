@@ -20,8 +20,7 @@ import numpy as np
 from ..config import LoadOptions, Metadata, ModelConfig
 from ..deltanet import DeltaNetShape, DeltaNetWeights, InputProjection, gated_deltanet
 from ..device import Device
-from ..layers import AttentionShape
-from ..layers import attention, decoded_attention_layer, gate_sigmoid, linear, rmsnorm, rope
+from ..layers import AttentionShape, attention, decoded_attention_layer, gate_sigmoid, linear, rmsnorm, rope
 from ..moe import RoutedExperts, SharedExpert, moe_layer
 from ..state import KVCache, SequenceState
 from ..weights import QTensor, WeightStore
